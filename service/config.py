@@ -1,0 +1,231 @@
+"""Service settings, read from the environment (prefix ``HSX_``) and from arguments.
+
+Nested sections use ``__`` in variable names: ``HSX_STORAGE__URL``,
+``HSX_STORAGE__S3__REGION``, ``HSX_ENGINE__MAX_MODEL_LEN``. Nothing here is built at
+import time: callers construct ``Settings()`` (or ``Settings(**overrides)``) and pass it
+down, so tests can hand each app its own storage root.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+# S3 refuses parts below 5 MiB (except the last) and more than 10,000 parts.
+S3_MIN_PART_SIZE = 5 * MIB
+S3_MAX_PART_SIZE = 5 * 1024 * MIB
+
+
+class ServerSettings(BaseModel):
+    """HTTP server."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to bind. Defaults to loopback: with no API keys configured "
+        "the service is open, so exposing it must be a deliberate choice.",
+    )
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to bind (0 = any free port).")
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of API keys, one `namespace:key` per line. Several keys may map "
+        "to one namespace (rotation). Without keys the service runs open.",
+    )
+    shutdown_grace_s: float = Field(
+        30.0, gt=0, description="Seconds that requests in flight get to finish on SIGTERM."
+    )
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_address_or_name(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not value or any(c.isspace() for c in value):
+                raise ValueError("host must be an IP address or a host name") from None
+        return value
+
+
+class EngineSettings(BaseModel):
+    """The vLLM engine that computes the hidden states."""
+
+    model: str | None = Field(
+        None,
+        description="Model path or Hugging Face id. Unset: the service makes and serves "
+        "a tiny random-weight demo model.",
+    )
+    layer_ids: list[int] | None = Field(
+        None,
+        description="Hidden-state layer ids to extract; id i is the input of decoder "
+        "layer i (0 = embeddings), id L the final output before the norm. Unset: "
+        "EAGLE-3 practice, [2, L//2, L-3, L].",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Model dtype; stored hidden states use the same dtype."
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="Longest sequence (prompt plus output) in tokens."
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="Tokens per engine step; long prompts prefill in chunks."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica spans.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of device memory vLLM may use (CPU: of node 0)."
+    )
+    cpu_kvcache_space_gib: int | None = Field(
+        None, gt=0, description="KV-cache size on the CPU backend (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    enable_prefix_caching: bool | None = Field(
+        None,
+        description="Prefix caching. Unset: on for dense models, off for hybrid models "
+        "on CPU (the Mamba align path needs Triton).",
+    )
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Other vLLM engine arguments, passed through."
+    )
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _layer_ids_shape(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("layer_ids must not be empty")
+        if len(set(value)) != len(value):
+            raise ValueError(f"layer_ids has duplicates: {value}")
+        if min(value) < 0:
+            raise ValueError(f"layer_ids must be >= 0: {value}")
+        return value
+
+
+class LocalStorageSettings(BaseModel):
+    """Options of the local-disk backend (``file://``)."""
+
+    stale_temp_s: float = Field(
+        3600.0,
+        ge=0,
+        description="Temp files older than this are removed by the sweep (at start-up and "
+        "by `hsx sweep`); younger ones may belong to a writer still running.",
+    )
+    fsync: bool = Field(
+        True, description="fsync file and directory before answering. Off only for tests."
+    )
+
+
+class S3StorageSettings(BaseModel):
+    """Options of the S3 backend (``s3://bucket/prefix``). Credentials come only from
+    the standard AWS chain (environment, shared files, IRSA), never from here."""
+
+    endpoint_url: str | None = Field(
+        None, description="Endpoint of an S3-compatible store (MinIO, Ceph, R2...)."
+    )
+    region: str | None = Field(None, description="Region name; required by most stores.")
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="Bucket addressing; MinIO-class stores want `path`."
+    )
+    checksum_mode: Literal["when_supported", "when_required"] = Field(
+        "when_supported",
+        description="botocore request/response checksum calculation. `when_required` "
+        "restores pre-1.36 behaviour for stores that reject the newer default headers.",
+    )
+    checksum_algorithm: Literal["SHA256", "CRC32", "CRC32C", "NONE"] = Field(
+        "SHA256",
+        description="Checksum sent with every PUT and part and checked by the store. "
+        "CRC32C needs botocore[crt]. NONE sends none.",
+    )
+    multipart_threshold: int = Field(
+        16 * MIB, ge=1, description="Objects above this size go as a multipart upload."
+    )
+    part_size: int = Field(
+        16 * MIB,
+        ge=S3_MIN_PART_SIZE,
+        le=S3_MAX_PART_SIZE,
+        description="Multipart part size in bytes (S3: 5 MiB to 5 GiB).",
+    )
+    max_concurrency: int = Field(8, ge=1, le=64, description="Parallel parts per upload.")
+    retry_mode: Literal["standard", "adaptive", "legacy"] = Field(
+        "standard", description="botocore retry mode; `standard` retries 5xx and throttling."
+    )
+    max_attempts: int = Field(5, ge=1, le=20, description="Attempts per call, the first included.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect timeout.")
+    read_timeout_s: float = Field(60.0, gt=0, description="Socket read timeout.")
+    presign_expiry_s: int = Field(
+        300, ge=1, le=604800, description="Lifetime of presigned GET URLs handed to clients."
+    )
+
+
+class StorageSettings(BaseModel):
+    """Where objects go."""
+
+    url: str = Field(
+        "var/objects",
+        description="Storage URL: `file:///abs/path` (or a plain path) or "
+        "`s3://bucket/prefix`. The scheme picks the backend.",
+    )
+    key_prefix: str = Field(
+        "hsx", description="First segment of every object key, before the namespace."
+    )
+    create_only: bool = Field(
+        True,
+        description="Refuse to overwrite an existing key (local: link(); S3: If-None-Match: *). "
+        "Turn off only for stores that reject conditional writes.",
+    )
+    io_threads: int = Field(
+        8, ge=1, le=256, description="Threads that run blocking storage calls off the loop."
+    )
+    local: LocalStorageSettings = Field(default_factory=LocalStorageSettings)
+    s3: S3StorageSettings = Field(default_factory=S3StorageSettings)
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix_is_safe(cls, value: str) -> str:
+        from service.storage.keys import validate_key
+
+        return validate_key(value) if value else value
+
+
+class LimitsSettings(BaseModel):
+    """Per-request limits and back-pressure."""
+
+    max_body_bytes: int = Field(8 * MIB, ge=1024, description="Largest request body.")
+    max_prompts: int = Field(256, ge=1, description="Prompts per request.")
+    max_total_tokens: int = Field(
+        262144, ge=1, description="Prompt tokens summed over one request."
+    )
+    max_tokens: int = Field(256, ge=1, description="Largest `max_tokens` a request may ask.")
+    max_bytes_in_flight: int = Field(
+        1024 * MIB,
+        ge=MIB,
+        description="Ceiling on hidden-state bytes copied out but not yet durable; past "
+        "it the engine holds blocks and new requests get 429.",
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request (504).")
+
+
+class Settings(BaseSettings):
+    """All hsx settings. Environment variables: ``HSX_<SECTION>__<FIELD>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="HSX_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    log_json: bool = Field(False, description="One JSON log line per request.")
+
+    @model_validator(mode="after")
+    def _multipart_fits(self) -> Settings:
+        s3 = self.storage.s3
+        if s3.multipart_threshold > S3_MAX_PART_SIZE:
+            raise ValueError("storage.s3.multipart_threshold must be at most 5 GiB")
+        return self

@@ -1,0 +1,175 @@
+"""The storage interface every backend implements, and the errors it raises.
+
+A backend stores opaque bytes under server-made keys. Its contract:
+
+* ``put`` / ``put_file`` publish atomically: once they return, the key names the
+  complete object; if they raise, no object (and no partial object) exists under it.
+* ``get`` / ``head`` raise :class:`NotFoundError` for a missing key.
+* ``delete`` is idempotent.
+* ``ping`` raises :class:`StorageUnavailableError` when the store cannot be reached.
+* Blocking work runs on the backend's own thread pool, never on the event loop.
+
+Backends never record metrics: :class:`service.storage.instrumented.InstrumentedStorage`
+wraps each one. The contract test suite in ``tests/storage/contract.py`` pins all of it.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+CHUNK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """A published object: its key, full URI, size in bytes and SHA-256 (hex)."""
+
+    key: str
+    uri: str
+    size: int
+    sha256: str
+
+
+class StorageError(Exception):
+    """A storage operation failed. ``operation`` and ``key`` say which one."""
+
+    kind = "error"
+
+    def __init__(self, message: str, *, operation: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.key = key
+
+
+class NotFoundError(StorageError):
+    """No object exists under the key."""
+
+    kind = "not_found"
+
+
+class AlreadyExistsError(StorageError):
+    """The key exists and the backend is create-only."""
+
+    kind = "already_exists"
+
+
+class InvalidKeyError(StorageError, ValueError):
+    """The key is malformed or would resolve outside the backend's root."""
+
+    kind = "invalid_key"
+
+
+class StorageUnavailableError(StorageError):
+    """The store cannot be reached (network, 5xx after retries, disk gone)."""
+
+    kind = "unavailable"
+
+
+class StorageConfigError(StorageError):
+    """The store refuses us for a reason retries cannot fix: no bucket, no access."""
+
+    kind = "config"
+
+
+class IntegrityError(StorageError):
+    """Bytes read back do not match the checksum recorded at write time."""
+
+    kind = "integrity"
+
+
+class Source:
+    """Bytes to publish, from memory or from a local file, read in ranges.
+
+    Backends read it in pieces (parts, write chunks) without loading a file whole.
+    """
+
+    def __init__(
+        self, data: bytes | bytearray | memoryview | None = None, path: Path | None = None
+    ):
+        if (data is None) == (path is None):
+            raise TypeError("give exactly one of data or path")
+        self._view = memoryview(data).cast("B") if data is not None else None
+        self.path = path
+        self.size = len(self._view) if self._view is not None else os.stat(path).st_size  # type: ignore[arg-type]
+
+    def read(self, offset: int, length: int) -> bytes | memoryview:
+        """Return up to ``length`` bytes starting at ``offset``."""
+        if self._view is not None:
+            return self._view[offset : offset + length]
+        assert self.path is not None
+        with open(self.path, "rb") as f:
+            return os.pread(f.fileno(), length, offset)
+
+    def chunks(self, size: int = CHUNK) -> Iterator[bytes | memoryview]:
+        """Yield the whole content in pieces of at most ``size`` bytes."""
+        if self._view is not None:
+            for offset in range(0, self.size, size):
+                yield self._view[offset : offset + size]
+            return
+        assert self.path is not None
+        with open(self.path, "rb") as f:
+            while piece := f.read(size):
+                yield piece
+
+    def sha256(self) -> str:
+        """SHA-256 of the whole content, hex."""
+        digest = hashlib.sha256()
+        for piece in self.chunks():
+            digest.update(piece)
+        return digest.hexdigest()
+
+
+class Storage(abc.ABC):
+    """An object store for hidden-state files, addressed by server-made keys."""
+
+    #: Short backend name used in metrics labels and logs (``file``, ``s3``).
+    scheme: str = ""
+
+    @abc.abstractmethod
+    def uri(self, key: str) -> str:
+        """Full URI of ``key`` (``file:///...``, ``s3://bucket/...``). Raises InvalidKeyError."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+        """Publish ``data`` under ``key`` atomically and durably.
+
+        Raises AlreadyExistsError (create-only), InvalidKeyError, or StorageError; on any
+        error no object exists under ``key``.
+        """
+
+    @abc.abstractmethod
+    async def put_file(self, key: str, path: Path) -> ObjectRef:
+        """Publish the local file at ``path`` under ``key``; same guarantees as put."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> bytes:
+        """Return the object's bytes. Raises NotFoundError, IntegrityError."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> ObjectRef:
+        """Return the object's size and SHA-256 without reading it to the caller.
+
+        Raises NotFoundError.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove the object; a missing key is not an error."""
+
+    @abc.abstractmethod
+    async def ping(self) -> None:
+        """Check that the store is reachable and writable. Raises StorageUnavailableError."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release threads, clients and connections. Idempotent."""
+
+    @property
+    def retries(self) -> int:
+        """Retries the backend's client has made so far (monotonic); 0 if it never retries."""
+        return 0

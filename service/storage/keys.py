@@ -1,0 +1,79 @@
+"""Object keys: made by the server, validated everywhere.
+
+Keys look like ``{prefix}/{namespace}/{yyyy}/{mm}/{dd}/{id}.safetensors``. The namespace
+comes from the caller's identity (its API key), the id is random and made here, so no
+client string ever becomes a key or a path. ``validate_key`` is the one gate every
+backend applies before touching the store.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import UTC, datetime
+
+from service.storage.base import InvalidKeyError
+
+MAX_KEY_BYTES = 1024  # S3's limit on key length
+MAX_SEGMENT_BYTES = 255  # NAME_MAX on every common file system
+OBJECT_SUFFIX = ".safetensors"
+
+# A segment starts with a letter or digit (so never "." or "..", and never a hidden
+# temp file name) and holds only characters that are safe in URLs, shells and paths.
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]*")
+_NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?")
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise InvalidKeyError.
+
+    Safe means: ``/``-separated segments of ``[A-Za-z0-9._=-]`` each starting with a
+    letter or digit, no empty segment, at most 255 bytes a segment and 1024 in all.
+    That rules out ``..``, absolute paths, NUL, backslashes and hidden names.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError("key must be a non-empty string", key=str(key))
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"key is longer than {MAX_KEY_BYTES} bytes", key=key[:64])
+    for segment in key.split("/"):
+        if len(segment) > MAX_SEGMENT_BYTES:
+            raise InvalidKeyError("key segment is longer than 255 bytes", key=key[:64])
+        if not _SEGMENT.fullmatch(segment):
+            raise InvalidKeyError(f"key segment {segment[:64]!r} is not allowed", key=key[:64])
+    return key
+
+
+def validate_namespace(namespace: str) -> str:
+    """Return ``namespace`` if valid: 1-64 of ``[a-z0-9_-]``, alphanumeric at both ends."""
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        raise ValueError(
+            f"namespace {str(namespace)[:64]!r} must be 1-64 characters of [a-z0-9_-], "
+            "starting and ending with a letter or digit"
+        )
+    return namespace
+
+
+def new_object_key(prefix: str, namespace: str, *, now: datetime | None = None) -> str:
+    """Make a fresh key for one object of ``namespace``: prefix/ns/yyyy/mm/dd/id.safetensors."""
+    validate_namespace(namespace)
+    when = (now or datetime.now(UTC)).astimezone(UTC)
+    object_id = uuid.uuid4().hex
+    parts = [prefix] if prefix else []
+    parts += [namespace, f"{when:%Y}", f"{when:%m}", f"{when:%d}", object_id + OBJECT_SUFFIX]
+    return validate_key("/".join(parts))
+
+
+def namespace_of(key: str, prefix: str) -> str | None:
+    """The namespace a valid key of ours belongs to, or None if it is not one of ours."""
+    try:
+        validate_key(key)
+    except InvalidKeyError:
+        return None
+    parts = key.split("/")
+    if prefix:
+        if parts[: len(prefix.split("/"))] != prefix.split("/"):
+            return None
+        parts = parts[len(prefix.split("/")) :]
+    if len(parts) != 5 or not parts[-1].endswith(OBJECT_SUFFIX):
+        return None
+    return parts[0] if _NAMESPACE.fullmatch(parts[0]) else None

@@ -1,0 +1,342 @@
+"""S3 backend (``s3://bucket/prefix``), through one shared boto3 client.
+
+Small objects go as one PutObject; larger ones as a multipart upload whose parts go in
+parallel and which is aborted on any failure, so S3 never shows a partial object (it
+publishes only at CompleteMultipartUpload). Every request carries a checksum the store
+verifies; the whole object's SHA-256 is also kept as user metadata (``x-amz-meta-sha256``)
+so ``head`` reports it and ``get`` checks it. Credentials come only from the standard
+AWS chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from service.config import S3StorageSettings, StorageSettings
+from service.storage.base import (
+    AlreadyExistsError,
+    IntegrityError,
+    NotFoundError,
+    ObjectRef,
+    Source,
+    Storage,
+    StorageConfigError,
+    StorageError,
+    StorageUnavailableError,
+)
+from service.storage.keys import validate_key
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_EXISTS = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+_CONFIG = {
+    "NoSuchBucket",
+    "AccessDenied",
+    "403",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "InvalidBucketName",
+}
+SHA256_META = "sha256"
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Split ``s3://bucket/prefix`` into bucket and prefix (no trailing slash)."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise ValueError(f"not an s3://bucket/prefix URL: {url!r}")
+    prefix = parts.path.strip("/")
+    if prefix:
+        validate_key(prefix)
+    return parts.netloc, prefix
+
+
+def make_client(options: S3StorageSettings, pool_size: int) -> Any:
+    """A boto3 S3 client configured from settings (retries, timeouts, checksums)."""
+    config = Config(
+        region_name=options.region,
+        # total_max_attempts counts the first try; botocore's max_attempts would not.
+        retries={"mode": options.retry_mode, "total_max_attempts": options.max_attempts},
+        connect_timeout=options.connect_timeout_s,
+        read_timeout=options.read_timeout_s,
+        max_pool_connections=pool_size,
+        s3={"addressing_style": options.addressing_style},
+        request_checksum_calculation=options.checksum_mode,
+        response_checksum_validation=options.checksum_mode,
+        signature_version="s3v4",
+    )
+    return boto3.session.Session().client("s3", endpoint_url=options.endpoint_url, config=config)
+
+
+class S3Storage(Storage):
+    """Objects in one bucket under an optional prefix."""
+
+    scheme = "s3"
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        options: S3StorageSettings,
+        *,
+        create_only: bool = True,
+        io_threads: int = 8,
+    ) -> None:
+        self.bucket, self.prefix, self.options = bucket, prefix, options
+        self.create_only = create_only
+        # Every io thread may run a multipart upload with max_concurrency parts at once.
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hsx-s3")
+        self._parts = ThreadPoolExecutor(options.max_concurrency, thread_name_prefix="hsx-s3-part")
+        self.client = make_client(options, pool_size=io_threads + options.max_concurrency)
+        self._retries = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_settings(cls, url: str, settings: StorageSettings) -> S3Storage:
+        """Build from ``s3://bucket/prefix`` and the storage settings."""
+        bucket, prefix = parse_s3_url(url)
+        return cls(
+            bucket,
+            prefix,
+            settings.s3,
+            create_only=settings.create_only,
+            io_threads=settings.io_threads,
+        )
+
+    @property
+    def retries(self) -> int:
+        return self._retries
+
+    def object_name(self, key: str) -> str:
+        """The S3 key that holds ``key`` (the URL's prefix joined in front)."""
+        validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self.object_name(key)}"
+
+    def presign_get(self, key: str) -> str:
+        """A short-lived GET URL for ``key`` (lifetime: ``presign_expiry_s``)."""
+        return str(
+            self.client.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": self.bucket, "Key": self.object_name(key)},
+                ExpiresIn=self.options.presign_expiry_s,
+            )
+        )
+
+    # -- async interface ----------------------------------------------------------------
+
+    async def _run(self, fn: Any, *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+        return await self._run(self._publish, key, Source(data=data))
+
+    async def put_file(self, key: str, path: Path) -> ObjectRef:
+        return await self._run(self._publish, key, Source(path=path))
+
+    async def get(self, key: str) -> bytes:
+        return await self._run(self._get, key)
+
+    async def head(self, key: str) -> ObjectRef:
+        return await self._run(self._head, key)
+
+    async def delete(self, key: str) -> None:
+        await self._run(self._delete, key)
+
+    async def ping(self) -> None:
+        await self._run(self._ping)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._parts.shutdown(wait=True)
+        self.client.close()
+
+    # -- blocking work ------------------------------------------------------------------
+
+    def _call(self, operation: str, key: str, **params: Any) -> dict[str, Any]:
+        """One client call, with its retries counted and its errors mapped to ours."""
+        try:
+            response: dict[str, Any] = getattr(self.client, operation)(**params)
+        except ClientError as exc:
+            self._count_retries(dict(exc.response))
+            raise _client_error(exc, operation, key) from exc
+        except BotoCoreError as exc:
+            raise StorageUnavailableError(
+                f"s3 {operation} failed: {exc}", operation=operation, key=key
+            ) from exc
+        self._count_retries(response)
+        return response
+
+    def _count_retries(self, response: dict[str, Any]) -> None:
+        attempts = response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+        if attempts:
+            with self._lock:
+                self._retries += attempts
+
+    def _checksum_args(self, piece: bytes | memoryview) -> dict[str, Any]:
+        algorithm = self.options.checksum_algorithm
+        if algorithm == "NONE":
+            return {}
+        if algorithm == "SHA256":
+            # Computed here rather than by botocore: one less pass over the bytes.
+            digest = base64.b64encode(hashlib.sha256(piece).digest()).decode()
+            return {"ChecksumSHA256": digest}
+        return {"ChecksumAlgorithm": algorithm}
+
+    def _publish(self, key: str, source: Source) -> ObjectRef:
+        name = self.object_name(key)
+        sha256 = source.sha256()
+        common: dict[str, Any] = {"Bucket": self.bucket, "Key": name}
+        conditional = {"IfNoneMatch": "*"} if self.create_only else {}
+        if source.size <= self.options.multipart_threshold:
+            body = bytes(source.read(0, source.size))
+            self._call(
+                "put_object",
+                key,
+                **common,
+                **conditional,
+                **self._checksum_args(body),
+                Body=body,
+                Metadata={SHA256_META: sha256},
+                ContentType="application/octet-stream",
+            )
+        else:
+            self._multipart(key, source, sha256, common, conditional)
+        return ObjectRef(key, self.uri(key), source.size, sha256)
+
+    def _multipart(
+        self,
+        key: str,
+        source: Source,
+        sha256: str,
+        common: dict[str, Any],
+        conditional: dict[str, str],
+    ) -> None:
+        algorithm = self.options.checksum_algorithm
+        create_args = {} if algorithm == "NONE" else {"ChecksumAlgorithm": algorithm}
+        upload = self._call(
+            "create_multipart_upload",
+            key,
+            **common,
+            **create_args,
+            Metadata={SHA256_META: sha256},
+            ContentType="application/octet-stream",
+        )
+        upload_id = upload["UploadId"]
+        try:
+            parts = self._upload_parts(key, source, upload_id, common)
+            self._call(
+                "complete_multipart_upload",
+                key,
+                **common,
+                **conditional,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self._abort(key, upload_id, common)
+            raise
+
+    def _upload_parts(
+        self, key: str, source: Source, upload_id: str, common: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        size = self.options.part_size
+        offsets = range(0, source.size, size)
+
+        def upload(number: int, offset: int) -> dict[str, Any]:
+            body = bytes(source.read(offset, size))
+            response = self._call(
+                "upload_part",
+                key,
+                **common,
+                **self._checksum_args(body),
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+            )
+            part = {"PartNumber": number, "ETag": response["ETag"]}
+            part.update({k: v for k, v in response.items() if k.startswith("Checksum")})
+            return part
+
+        futures = [self._parts.submit(upload, n, off) for n, off in enumerate(offsets, start=1)]
+        try:
+            return [future.result() for future in futures]
+        finally:
+            # On the first failure, stop parts not yet started; wait for the rest so
+            # none is uploaded after the abort.
+            for future in futures:
+                future.cancel()
+            for future in futures:
+                if not future.cancelled():
+                    future.exception()
+
+    def _abort(self, key: str, upload_id: str, common: dict[str, Any]) -> None:
+        try:
+            self._call("abort_multipart_upload", key, **common, UploadId=upload_id)
+        except StorageError:
+            # The bucket's AbortIncompleteMultipartUpload lifecycle rule is the backstop.
+            log.exception("could not abort multipart upload %s for %s", upload_id, key)
+
+    def _get(self, key: str) -> bytes:
+        response = self._call("get_object", key, Bucket=self.bucket, Key=self.object_name(key))
+        body: bytes = response["Body"].read()
+        expected = response.get("Metadata", {}).get(SHA256_META)
+        if expected and hashlib.sha256(body).hexdigest() != expected:
+            raise IntegrityError(
+                "object bytes do not match their SHA-256", operation="get", key=key
+            )
+        return body
+
+    def _head(self, key: str) -> ObjectRef:
+        response = self._call("head_object", key, Bucket=self.bucket, Key=self.object_name(key))
+        sha256 = response.get("Metadata", {}).get(SHA256_META, "")
+        return ObjectRef(key, self.uri(key), int(response["ContentLength"]), sha256)
+
+    def _delete(self, key: str) -> None:
+        # S3 answers 204 for a missing key too, so delete is idempotent by itself.
+        self._call("delete_object", key, Bucket=self.bucket, Key=self.object_name(key))
+
+    def _ping(self) -> None:
+        try:
+            self._call("head_bucket", "", Bucket=self.bucket)
+        except StorageError as exc:
+            raise StorageUnavailableError(
+                f"bucket {self.bucket!r} is not reachable: {exc}"
+            ) from exc
+
+
+def _client_error(exc: ClientError, operation: str, key: str) -> StorageError:
+    error = exc.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    message = f"s3 {operation} failed: {code or status}: {error.get('Message', '')}".rstrip(": ")
+    if code in _NOT_FOUND:
+        return NotFoundError(message, operation=operation, key=key)
+    if code in _EXISTS:
+        return AlreadyExistsError(message, operation=operation, key=key)
+    if code in _CONFIG:
+        return StorageConfigError(message, operation=operation, key=key)
+    if status >= 500 or code in {"SlowDown", "RequestTimeout", "Throttling"}:
+        return StorageUnavailableError(message, operation=operation, key=key)
+    return StorageError(message, operation=operation, key=key)

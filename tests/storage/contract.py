@@ -1,0 +1,130 @@
+"""The storage contract, written once; every backend's test class inherits it.
+
+A subclass provides a ``storage`` fixture: a fresh, empty backend whose multipart
+threshold (where it has one) is below ``BIG``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from service.storage import (
+    AlreadyExistsError,
+    InvalidKeyError,
+    NotFoundError,
+    Storage,
+)
+from service.storage.keys import new_object_key
+
+# Above the 1 MiB threshold the S3 tests set, and spanning three 5 MiB parts.
+BIG = 11 * 1024 * 1024 + 123
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    """Deterministic incompressible bytes."""
+    return hashlib.shake_256(f"{seed}:{size}".encode()).digest(size) if size else b""
+
+
+def fresh_key(namespace: str = "tenant-a") -> str:
+    return new_object_key("hsx", namespace)
+
+
+class StorageContract:
+    """What every backend guarantees."""
+
+    @pytest.mark.parametrize("size", [0, 1, 4096, 1024 * 1024 + 7])
+    async def test_round_trip_is_byte_exact(self, storage: Storage, size: int) -> None:
+        data = payload(size, seed=size)
+        key = fresh_key()
+        ref = await storage.put(key, data)
+        assert (ref.key, ref.size, ref.sha256) == (key, size, hashlib.sha256(data).hexdigest())
+        assert ref.uri == storage.uri(key)
+        assert await storage.get(key) == data
+
+    async def test_object_above_multipart_threshold(self, storage: Storage) -> None:
+        data = payload(BIG, seed=1)
+        key = fresh_key()
+        ref = await storage.put(key, data)
+        assert ref.size == BIG
+        assert await storage.get(key) == data
+        assert (await storage.head(key)).sha256 == hashlib.sha256(data).hexdigest()
+
+    async def test_put_file_publishes_the_file(self, storage: Storage, tmp_path: Path) -> None:
+        data = payload(BIG, seed=2)
+        source = tmp_path / "source.bin"
+        source.write_bytes(data)
+        key = fresh_key()
+        ref = await storage.put_file(key, source)
+        assert ref.size == BIG
+        assert await storage.get(key) == data
+
+    async def test_missing_key_is_not_found(self, storage: Storage) -> None:
+        key = fresh_key()
+        with pytest.raises(NotFoundError):
+            await storage.get(key)
+        with pytest.raises(NotFoundError):
+            await storage.head(key)
+
+    async def test_delete_is_idempotent(self, storage: Storage) -> None:
+        key = fresh_key()
+        await storage.put(key, b"x" * 10)
+        await storage.delete(key)
+        await storage.delete(key)
+        await storage.delete(fresh_key())
+        with pytest.raises(NotFoundError):
+            await storage.head(key)
+
+    async def test_head_reports_size_and_checksum(self, storage: Storage) -> None:
+        data = payload(12345, seed=3)
+        key = fresh_key()
+        put_ref = await storage.put(key, data)
+        head_ref = await storage.head(key)
+        assert head_ref == put_ref
+        assert head_ref.sha256 == hashlib.sha256(data).hexdigest()
+
+    async def test_concurrent_puts_of_different_keys(self, storage: Storage) -> None:
+        items = {fresh_key(f"ns{i % 3}"): payload(1000 + i, seed=i) for i in range(24)}
+        refs = await asyncio.gather(*(storage.put(k, v) for k, v in items.items()))
+        assert [r.key for r in refs] == list(items)
+        for key, data in items.items():
+            assert await storage.get(key) == data
+
+    async def test_create_only_refuses_overwrite(self, storage: Storage) -> None:
+        key = fresh_key()
+        await storage.put(key, b"first")
+        with pytest.raises(AlreadyExistsError):
+            await storage.put(key, b"second")
+        assert await storage.get(key) == b"first"
+
+    async def test_create_only_refuses_multipart_overwrite(self, storage: Storage) -> None:
+        key = fresh_key()
+        await storage.put(key, b"first")
+        with pytest.raises(AlreadyExistsError):
+            await storage.put(key, payload(BIG, seed=4))
+        assert await storage.get(key) == b"first"
+
+    @pytest.mark.parametrize(
+        "key",
+        ["", "/abs/x", "../x", "a/../../x", "a//b", "a/./b", "a\\b", "a\x00b", ".hidden", "a/"],
+    )
+    async def test_invalid_keys_are_refused(self, storage: Storage, key: str) -> None:
+        with pytest.raises(InvalidKeyError):
+            await storage.put(key, b"data")
+        with pytest.raises(InvalidKeyError):
+            await storage.get(key)
+
+    async def test_ping_succeeds_on_a_healthy_store(self, storage: Storage) -> None:
+        await storage.ping()
+
+    async def test_put_does_not_alias_caller_buffer(self, storage: Storage) -> None:
+        buffer = bytearray(os.urandom(2048))
+        expected = bytes(buffer)
+        key = fresh_key()
+        await storage.put(key, buffer)
+        buffer[:] = b"\0" * len(buffer)
+        assert await storage.get(key) == expected

@@ -1,0 +1,57 @@
+"""Server-made keys and namespace validation."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+import pytest
+
+from service.storage import InvalidKeyError
+from service.storage.keys import namespace_of, new_object_key, validate_key, validate_namespace
+
+
+def test_key_layout() -> None:
+    when = datetime(2026, 3, 7, 23, 59, tzinfo=UTC)
+    key = new_object_key("hsx", "team-a", now=when)
+    assert re.fullmatch(r"hsx/team-a/2026/03/07/[0-9a-f]{32}\.safetensors", key)
+
+
+def test_keys_are_unique() -> None:
+    keys = {new_object_key("hsx", "a") for _ in range(1000)}
+    assert len(keys) == 1000
+
+
+def test_empty_prefix_and_nested_prefix() -> None:
+    assert new_object_key("", "a").startswith("a/")
+    assert new_object_key("x/y", "a").startswith("x/y/a/")
+
+
+@pytest.mark.parametrize("namespace", ["", "A", "-a", "a-", "a/b", "..", "a.b", "x" * 65, "é"])
+def test_bad_namespaces_are_refused(namespace: str) -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        validate_namespace(namespace)
+    with pytest.raises(ValueError, match="namespace"):
+        new_object_key("hsx", namespace)
+
+
+@pytest.mark.parametrize("namespace", ["a", "team-a", "t_1", "x" * 64])
+def test_good_namespaces(namespace: str) -> None:
+    assert validate_namespace(namespace) == namespace
+
+
+@pytest.mark.parametrize(
+    "key", ["a" * 256, "a/" * 600 + "a", "a b", "a:b", "a%2fb", "é", "~user", "a\nb"]
+)
+def test_validate_key_refuses(key: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        validate_key(key)
+
+
+def test_namespace_of() -> None:
+    key = new_object_key("hsx", "team-a")
+    assert namespace_of(key, "hsx") == "team-a"
+    assert namespace_of(key, "other") is None
+    assert namespace_of("hsx/team-a/2026/01/01", "hsx") is None
+    assert namespace_of("hsx/../team-a/2026/01/01/x.safetensors", "hsx") is None
+    assert namespace_of(new_object_key("", "b"), "") == "b"

@@ -1,0 +1,200 @@
+"""Local-disk backend: the contract, atomic publish under faults, the sweep, key safety."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from service.config import LocalStorageSettings, StorageSettings
+from service.metrics import StorageMetrics
+from service.storage import InvalidKeyError, StorageError, open_storage
+from service.storage.local import TEMP_PREFIX, LocalStorage, root_from_url
+from tests.storage.contract import StorageContract, fresh_key, payload
+
+
+class TestLocalContract(StorageContract):
+    @pytest.fixture
+    async def storage(self, tmp_path: Path) -> AsyncIterator[LocalStorage]:
+        backend = open_storage(StorageSettings(url=(tmp_path / "objects").as_uri()))
+        assert isinstance(backend, LocalStorage)
+        yield backend
+        await backend.close()
+
+
+class TestInstrumentedLocalContract(StorageContract):
+    """The metrics wrapper keeps every guarantee of the backend it wraps."""
+
+    @pytest.fixture
+    async def storage(self, tmp_path: Path) -> AsyncIterator[Any]:
+        metrics = StorageMetrics(CollectorRegistry())
+        backend = open_storage(StorageSettings(url=str(tmp_path / "objects")), metrics)
+        yield backend
+        await backend.close()
+
+
+@pytest.fixture
+async def local(tmp_path: Path) -> AsyncIterator[LocalStorage]:
+    backend = LocalStorage(tmp_path / "objects")
+    yield backend
+    await backend.close()
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def fail_for_paths_under(
+    root: Path, real: Callable[..., Any], err: int, *, fd_arg: bool = True
+) -> Callable[..., Any]:
+    """Wrap an os function so it fails with ``err`` only on descriptors under ``root``.
+
+    Only our backend's files fail; pytest's own I/O goes through untouched.
+    """
+
+    def fake(fd: int, *args: Any) -> Any:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        if target.startswith(str(root)):
+            raise OSError(err, os.strerror(err))
+        return real(fd, *args)
+
+    return fake
+
+
+@pytest.mark.parametrize(
+    ("function", "err"),
+    [("write", errno.ENOSPC), ("write", errno.EIO), ("fsync", errno.EIO), ("fsync", errno.ENOSPC)],
+)
+async def test_io_error_leaves_no_object_and_no_temp_file(
+    local: LocalStorage, monkeypatch: pytest.MonkeyPatch, function: str, err: int
+) -> None:
+    monkeypatch.setattr(os, function, fail_for_paths_under(local.root, getattr(os, function), err))
+    key = fresh_key()
+    with pytest.raises(StorageError, match=errno.errorcode[err]) as info:
+        await local.put(key, payload(3 * 1024 * 1024))
+    assert info.value.key == key
+    assert files_under(local.root) == []
+    monkeypatch.undo()
+    await local.put(key, b"works again")
+    assert await local.get(key) == b"works again"
+
+
+async def test_directory_fsync_failure_unpublishes(
+    local: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the rename cannot be made durable, the key is not reported and not left behind."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "EIO")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StorageError, match="EIO"):
+        await local.put(fresh_key(), b"data")
+    assert files_under(local.root) == []
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from pathlib import Path
+    from service.storage.local import LocalStorage
+
+    def die(*_args):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage = LocalStorage(Path(sys.argv[1]))
+    os.link = os.replace = die  # killed between the write and the publish
+    asyncio.run(storage.put(sys.argv[2], b"x" * 100_000))
+    """
+)
+
+
+async def test_killed_writer_leaves_no_object_and_sweep_removes_temp(tmp_path: Path) -> None:
+    root = tmp_path / "objects"
+    survivor = LocalStorage(root)
+    kept = fresh_key()
+    await survivor.put(kept, b"kept")
+    key = fresh_key()
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(root), key], check=False)
+    assert proc.returncode == -9
+    assert not survivor.path_for(key).exists()
+    temps = [p for p in files_under(root) if p.name.startswith(TEMP_PREFIX)]
+    assert len(temps) == 1
+    assert temps[0].stat().st_size == 100_000
+    assert survivor.sweep(older_than_s=3600) == 0  # too young: may be a live writer
+    assert survivor.sweep(older_than_s=0) == 1
+    assert files_under(root) == [survivor.path_for(kept)]
+    assert survivor.path_for(kept).read_bytes() == b"kept"
+
+
+def test_open_storage_sweeps_stale_temp_files(tmp_path: Path) -> None:
+    root = tmp_path / "objects"
+    (root / "hsx").mkdir(parents=True)
+    stale = root / "hsx" / f"{TEMP_PREFIX}abc"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (0, 0))
+    young = root / "hsx" / f"{TEMP_PREFIX}def"
+    young.write_bytes(b"in progress")
+    open_storage(StorageSettings(url=str(root), local=LocalStorageSettings(stale_temp_s=60)))
+    assert not stale.exists()
+    assert young.exists()
+
+
+def test_symlink_pointing_out_of_root_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    storage = LocalStorage(tmp_path / "objects")
+    (storage.root / "escape").symlink_to(outside)
+    (storage.root / "inner").symlink_to(storage.root)
+    with pytest.raises(InvalidKeyError, match="outside"):
+        storage.path_for("escape/x.safetensors")
+    assert storage.path_for("inner/x.safetensors") == storage.root / "x.safetensors"
+
+
+def test_root_from_url_accepts_file_urls_and_paths(tmp_path: Path) -> None:
+    assert root_from_url(tmp_path.as_uri()) == tmp_path
+    assert root_from_url(str(tmp_path)) == tmp_path
+    assert root_from_url("rel/dir") == Path.cwd() / "rel/dir"
+    with pytest.raises(ValueError, match="host"):
+        root_from_url("file://example.com/x")
+
+
+_ROOT = Path(tempfile.mkdtemp(prefix="hsx-prop-")) / "root"
+_PROPERTY_STORAGE = LocalStorage(_ROOT)
+(_PROPERTY_STORAGE.root / "loop").symlink_to(_PROPERTY_STORAGE.root.parent)
+
+_SEGMENTS = st.sampled_from(
+    ["..", ".", "", "a", "b.c", "..a", "a..", "loop", "~", "\\", "\x00", "é", "a b", "%2e%2e"]
+)
+_KEYS = st.one_of(
+    st.lists(_SEGMENTS, min_size=1, max_size=6).map("/".join),
+    st.text(alphabet="ab./\\\x00-_=é~:%", max_size=40),
+    st.builds(lambda s: "/" + s, st.text(max_size=20)),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_KEYS)
+def test_no_accepted_key_resolves_outside_root(key: str) -> None:
+    root = _PROPERTY_STORAGE.root
+    try:
+        path = _PROPERTY_STORAGE.path_for(key)
+    except InvalidKeyError:
+        return
+    assert path.is_relative_to(root)
+    assert path != root
+    assert os.path.realpath(path).startswith(str(root) + os.sep)

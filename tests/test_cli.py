@@ -1,0 +1,42 @@
+"""The hsx command, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_hsx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def test_config_prints_effective_settings() -> None:
+    proc = run_hsx("config", env={"HSX_STORAGE__URL": "s3://b/p", "HSX_SERVER__PORT": "9001"})
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads(proc.stdout)
+    assert config["storage"]["url"] == "s3://b/p"
+    assert config["server"]["port"] == 9001
+
+
+def test_bad_environment_names_the_field() -> None:
+    proc = run_hsx("config", env={"HSX_STORAGE__S3__PART_SIZE": "12"})
+    assert proc.returncode != 0
+    assert "part_size" in proc.stderr
+
+
+def test_sweep_removes_stale_temp_files(tmp_path: Path) -> None:
+    (tmp_path / ".hsx-tmp-x").write_bytes(b"partial")
+    (tmp_path / "kept.safetensors").write_bytes(b"object")
+    proc = run_hsx("sweep", "--older-than", "0", env={"HSX_STORAGE__URL": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "removed 1" in proc.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.safetensors"]
