@@ -22,13 +22,13 @@ $(STAMP): pyproject.toml
 	touch $@
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check service tests
-	$(VENV)/bin/ruff format --check service tests
+	$(VENV)/bin/ruff check service tests benchmarks
+	$(VENV)/bin/ruff format --check service tests benchmarks
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format service tests
-	$(VENV)/bin/ruff check --fix service tests
+	$(VENV)/bin/ruff format service tests benchmarks
+	$(VENV)/bin/ruff check --fix service tests benchmarks
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

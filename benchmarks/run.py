@@ -1,0 +1,57 @@
+"""``make bench``: speed measured as ratios, side by side in one run.
+
+Results go to stdout and to ``docs/benchmarks.md``. Each pair runs interleaved on the
+same data, so a noisy machine slows both sides alike; the ratio is what we track.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import logging
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from benchmarks import storage_bench
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+async def timed(fn: Callable[[], Awaitable[object]], repeats: int) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn``."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    with tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch:
+        rows = asyncio.run(storage_bench.run(Path(scratch), timed))
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench`. Ratios compare two ways of doing the same work in one run",
+        "on the same machine; absolute times depend on the machine.",
+        "",
+        "| benchmark | ours | baseline | ratio (ours / baseline) | target |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    DOC.write_text(text + "\n" + storage_bench.NOTES)
+
+
+if __name__ == "__main__":
+    main()
