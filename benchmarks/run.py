@@ -7,8 +7,8 @@ same data, so a noisy machine slows both sides alike; the ratio is what we track
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
