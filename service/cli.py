@@ -33,6 +33,17 @@ def _cmd_sweep(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_model(_settings: Settings, args: argparse.Namespace) -> int:
+    """Write a tiny random-weight model with its tokenizer (no download needed)."""
+    from pathlib import Path
+
+    from service.engine.tiny_models import make_model
+
+    out = make_model(Path(args.out), args.kind, seed=args.seed)
+    print(out)
+    return 0
+
+
 def _cmd_serve(_settings: Settings, _args: argparse.Namespace) -> int:
     print("hsx serve is not implemented yet (see the README's status).", file=sys.stderr)
     return 2
@@ -49,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--older-than", type=float, default=None, help="seconds (default: the configured age)"
     )
     sweep.set_defaults(func=_cmd_sweep)
+    make = commands.add_parser("make-model", help=_cmd_make_model.__doc__)
+    make.add_argument("out", help="directory to write the model to")
+    make.add_argument("--kind", choices=["llama", "nemotron-h"], default="llama")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(func=_cmd_make_model)
     commands.add_parser("serve", help="Start the HTTP service.").set_defaults(func=_cmd_serve)
     return parser
 

@@ -40,3 +40,12 @@ def test_sweep_removes_stale_temp_files(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "removed 1" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["kept.safetensors"]
+
+
+def test_make_model_writes_a_loadable_model(tmp_path: Path) -> None:
+    proc = run_hsx("make-model", str(tmp_path / "m"), "--kind", "llama")
+    assert proc.returncode == 0, proc.stderr
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert AutoConfig.from_pretrained(tmp_path / "m").num_hidden_layers == 4
+    assert AutoTokenizer.from_pretrained(tmp_path / "m")("hello").input_ids

@@ -1,0 +1,116 @@
+"""vLLM engine arguments from hsx settings: layer ids, memory, prefix caching, connector."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from service.config import Settings
+
+CONNECTOR_CLASS = "HsxConnector"
+CONNECTOR_MODULE = "service.engine.connector"
+# Families whose vLLM classes keep Mamba / linear-attention state beside attention.
+_HYBRID_TYPES = {"nemotron_h", "qwen3_next", "jamba", "bamba", "falcon_h1", "zamba2", "plamo2"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the served model is: read from its config before the engine starts."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    hybrid: bool
+
+
+def read_model_info(model: str, name: str | None = None) -> ModelInfo:
+    """Read layer count, hidden size and hybrid-ness from the model's config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    text = getattr(config, "text_config", config)
+    layer_types = getattr(text, "layers_block_type", None) or getattr(text, "layer_types", None)
+    hybrid = text.model_type in _HYBRID_TYPES or any(
+        "mamba" in str(t) or "linear" in str(t) for t in (layer_types or ())
+    )
+    return ModelInfo(name or model, int(text.num_hidden_layers), int(text.hidden_size), hybrid)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 practice: [2, L//2, L-3, L], deduplicated and clipped for tiny models."""
+    wanted = [2, num_layers // 2, num_layers - 3, num_layers]
+    return sorted({min(max(i, 0), num_layers) for i in wanted})
+
+
+def resolve_layer_ids(requested: list[int] | None, num_layers: int) -> list[int]:
+    """The layer ids to extract; refuses ids the model does not have."""
+    if requested is None:
+        return default_layer_ids(num_layers)
+    bad = [i for i in requested if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"layer_ids {bad} are out of range: this model has {num_layers} decoder layers, "
+            f"so ids 0..{num_layers} are allowed (0 = embeddings, {num_layers} = final "
+            "output before the norm)"
+        )
+    return list(requested)
+
+
+def engine_args(
+    settings: Settings,
+    info: ModelInfo,
+    layer_ids: list[int],
+    completion_address: str,
+    storage_factory: str | None = None,
+) -> Any:
+    """``AsyncEngineArgs`` running ``extract_hidden_states`` with our connector."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine = settings.engine
+    on_cpu = _on_cpu()
+    if engine.cpu_kvcache_space_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
+    if on_cpu and engine.dtype in ("bfloat16", "float16"):
+        # Spawned CPU workers died with SIGILL in bf16 (vllm-on-cpu.md); fork works.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    prefix_caching = engine.enable_prefix_caching
+    if prefix_caching is None:
+        # Hybrid prefix caching takes a Mamba "align" path through Triton: GPU only.
+        prefix_caching = not (info.hybrid and on_cpu)
+    extra = {
+        "model_name": info.name,
+        "completion_address": completion_address,
+        "storage": settings.storage.model_dump(mode="json"),
+        "max_bytes_in_flight": settings.limits.max_bytes_in_flight,
+        "storage_factory": storage_factory,
+    }
+    return AsyncEngineArgs(
+        model=engine.model,
+        served_model_name=[info.name],
+        dtype=engine.dtype,
+        max_model_len=engine.max_model_len,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        enable_prefix_caching=prefix_caching,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        },
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_producer",
+            kv_connector_extra_config=extra,
+        ),
+        **engine.extra_args,
+    )
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()

@@ -1,0 +1,218 @@
+"""The engine wrapper: ``await extractor.extract(...)`` returns once the object is durable.
+
+It owns the vLLM ``AsyncLLM``, the completion receiver and a storage handle (to remove
+objects whose requests were cancelled after their states were copied out). Requests
+carry server-made ids and keys; nothing from a client reaches ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.config import Settings
+from service.engine.builder import ModelInfo, engine_args, read_model_info, resolve_layer_ids
+from service.engine.completion import Completion, CompletionReceiver
+from service.engine.connector import REQUEST_ARG
+from service.storage import Storage, open_storage
+from service.storage.keys import new_object_key
+
+log = logging.getLogger(__name__)
+
+
+class ExtractionError(Exception):
+    """An extraction did not produce an object."""
+
+
+class StorageWriteError(ExtractionError):
+    """The hidden states were computed but could not be written."""
+
+
+class EngineUnavailableError(ExtractionError):
+    """The engine is dead or shutting down."""
+
+
+class InvalidPromptError(ExtractionError, ValueError):
+    """The engine refused the prompt (too long, bad token ids)."""
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """One durable object and what it holds."""
+
+    key: str
+    uri: str
+    size: int
+    sha256: str
+    num_tokens: int
+    shape: tuple[int, ...]
+    prompt_tokens: int
+    output_token_ids: tuple[int, ...]
+
+
+class Extractor:
+    """Runs prompts through vLLM and returns the keys of their hidden-state objects."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Any,
+        receiver: CompletionReceiver,
+        storage: Storage,
+        info: ModelInfo,
+        layer_ids: list[int],
+        scratch: tempfile.TemporaryDirectory[str],
+    ) -> None:
+        self.settings, self.engine, self.info, self.layer_ids = settings, engine, info, layer_ids
+        self._receiver, self._storage, self._scratch = receiver, storage, scratch
+        self._receiver.on_orphan = self._remove_orphan
+        self.dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
+        self.max_model_len = int(engine.vllm_config.model_config.max_model_len)
+        #: Highest in-flight byte count the writer reported (copied out, not yet durable).
+        self.peak_bytes_in_flight = 0
+
+    @classmethod
+    async def start(cls, settings: Settings, *, storage_factory: str | None = None) -> Extractor:
+        """Start the engine for ``settings.engine.model``.
+
+        ``storage_factory`` ("module:callable") replaces ``open_storage`` in the worker;
+        tests use it to inject storage faults. Raises ValueError for bad layer ids.
+        """
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        model = settings.engine.model
+        if model is None:
+            raise ValueError("engine.model is not set")
+        info = read_model_info(model)
+        layer_ids = resolve_layer_ids(settings.engine.layer_ids, info.num_layers)
+        scratch = tempfile.TemporaryDirectory(prefix="hsx-")
+        receiver = CompletionReceiver(f"ipc://{Path(scratch.name) / 'completions.sock'}")
+        receiver.start()
+        args = engine_args(settings, info, layer_ids, receiver.address, storage_factory)
+        storage = _load(storage_factory)(settings.storage) if storage_factory else None
+        try:
+            engine = AsyncLLM.from_engine_args(args)
+        except BaseException:
+            await receiver.close()
+            scratch.cleanup()
+            raise
+        storage = storage or open_storage(settings.storage)
+        return cls(settings, engine, receiver, storage, info, layer_ids, scratch)
+
+    async def extract(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        namespace: str,
+        max_tokens: int = 1,
+        include_output_tokens: bool = False,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Extraction:
+        """Run one prompt; return its object once durable.
+
+        Raises InvalidPromptError, StorageWriteError, EngineUnavailableError. If the
+        caller is cancelled, the engine request is aborted and no object remains.
+        """
+        if include_output_tokens and max_tokens > 1 and self.info.hybrid:
+            # Measured on vLLM 0.32 (CPU): under extract_hidden_states, decode steps of
+            # Mamba layers diverge from transformers (prompt states stay exact), so the
+            # generated tokens' states would be wrong. Refuse rather than store them.
+            raise InvalidPromptError(
+                "include_output_tokens: not supported for hybrid models (generated-token "
+                "states of Mamba layers are not exact in this vLLM version)"
+            )
+        key = new_object_key(self.settings.storage.key_prefix, namespace)
+        waiter = self._receiver.expect(key)
+        try:
+            output = await self._generate(
+                key, list(prompt_token_ids), max_tokens, include_output_tokens, metadata
+            )
+            completion = await waiter
+        except BaseException:
+            self._receiver.abandon(key)
+            raise
+        self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, completion.bytes_in_flight)
+        if not completion.ok:
+            raise StorageWriteError(completion.error)
+        return _extraction(completion, output)
+
+    async def _generate(
+        self,
+        key: str,
+        prompt: list[int],
+        max_tokens: int,
+        include_output_tokens: bool,
+        metadata: Mapping[str, str] | None,
+    ) -> Any:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            detokenize=False,
+            extra_args={
+                REQUEST_ARG: {
+                    "key": key,
+                    "include_output_tokens": include_output_tokens,
+                    "metadata": dict(metadata or {}),
+                }
+            },
+        )
+        final = None
+        try:
+            stream = self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt), params, f"hsx-{uuid.uuid4().hex}"
+            )
+            async for output in stream:
+                final = output
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"engine is dead: {exc}") from exc
+        except ValueError as exc:
+            raise InvalidPromptError(str(exc)) from exc
+        except EngineGenerateError as exc:
+            raise ExtractionError(f"engine failed the request: {exc}") from exc
+        if final is None or not final.finished:
+            raise ExtractionError("engine returned no final output")
+        return final
+
+    async def _remove_orphan(self, completion: Completion) -> None:
+        """A cancelled request's object was written anyway: remove it."""
+        if completion.ok:
+            with contextlib.suppress(Exception):
+                await self._storage.delete(completion.key)
+
+    async def close(self) -> None:
+        """Shut the engine down (the connector drains its writers), then release all."""
+        self.engine.shutdown()
+        await self._receiver.close()
+        await self._storage.close()
+        self._scratch.cleanup()
+
+
+def _extraction(completion: Completion, output: Any) -> Extraction:
+    generated = tuple(output.outputs[0].token_ids) if output.outputs else ()
+    return Extraction(
+        key=completion.key,
+        uri=completion.uri,
+        size=completion.size,
+        sha256=completion.sha256,
+        num_tokens=completion.num_tokens,
+        shape=completion.shape,
+        prompt_tokens=len(output.prompt_token_ids or ()),
+        output_token_ids=generated,
+    )
+
+
+def _load(path: str) -> Any:
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,112 @@
+"""Tiny random-weight models with their own tokenizer, made locally (no download).
+
+Tests and the demo use them in place of a hub model; both vLLM and transformers load
+them through their ordinary loading code. The same seed gives the same weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+Kind = Literal["llama", "nemotron-h"]
+KINDS: tuple[Kind, ...] = ("llama", "nemotron-h")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens with a small model and verifies them.",
+    "Hidden states are the inputs of each decoder layer of a transformer.",
+    "Mamba layers keep a recurrent state; attention layers keep a key-value cache.",
+    "0123456789 !?.,;:'\"()[]{}<>/\\|@#$%^&*-_=+~`",
+]
+# A plain chat template so `messages` prompts work on the demo model too.
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def make_tokenizer(out: Path, vocab_size: int) -> None:
+    """Train a byte-level BPE tokenizer on a few sentences and save it to ``out``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",  # noqa: S106 - token names, not passwords
+        eos_token="</s>",  # noqa: S106
+        pad_token="<pad>",  # noqa: S106
+    )
+    wrapped.chat_template = _CHAT_TEMPLATE
+    wrapped.save_pretrained(out)
+
+
+def _config(kind: Kind, vocab_size: int, max_len: int) -> object:
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_len,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(num_hidden_layers=4, **common)
+    from transformers import NemotronHConfig
+
+    # Mamba2, MLP, Mamba2, attention: the pattern checked on CPU (vllm-on-cpu.md).
+    return NemotronHConfig(
+        layers_block_type=["mamba", "mlp", "mamba", "attention"],
+        head_dim=32,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        chunk_size=64,
+        expand=1,
+        conv_kernel=4,
+        **common,
+    )
+
+
+def make_model(out: Path, kind: Kind = "llama", *, seed: int = 0, max_len: int = 2048) -> Path:
+    """Write a deterministic random-weight ``kind`` model and its tokenizer to ``out``.
+
+    Returns ``out``. Weights are float32 safetensors; vLLM casts to the served dtype.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; choose from {', '.join(KINDS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = 512
+    make_tokenizer(out, vocab_size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(kind, vocab_size, max_len))
+    if kind == "llama":
+        with torch.no_grad():
+            # Larger than the default init so layers differ visibly from one another.
+            # The hybrid keeps its own init: larger weights make the Mamba recurrence
+            # amplify float32 rounding (kernel vs reference) past 1e-5.
+            for param in model.parameters():
+                if param.dim() > 1:
+                    param.normal_(0.0, 0.08)
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    return out

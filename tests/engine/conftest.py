@@ -1,0 +1,114 @@
+"""Engines shared per module: starting one takes 15-25 s on these CPUs."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from service.config import Settings
+from service.engine.tiny_models import make_model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Lazily made tiny models by kind, shared by the whole session."""
+    root = tmp_path_factory.mktemp("models")
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_model(root / kind, kind)  # type: ignore[arg-type]
+        return made[kind]
+
+    return get
+
+
+def engine_settings(model: Path, storage_url: str, **overrides: Any) -> Settings:
+    """Small engine settings for the CPU: chunked prefill forced by a 64-token budget."""
+    engine = {
+        "model": str(model),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "max_num_batched_tokens": 64,
+        "gpu_memory_utilization": 0.5,
+        "cpu_kvcache_space_gib": 1,
+        "extra_args": {"enforce_eager": True},
+        **overrides.pop("engine", {}),
+    }
+    return Settings(
+        engine=engine, storage={"url": storage_url, **overrides.pop("storage", {})}, **overrides
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings, storage_factory: str | None = None) -> AsyncIterator[Any]:
+    from service.engine.extractor import Extractor
+
+    extractor = await Extractor.start(settings, storage_factory=storage_factory)
+    try:
+        yield extractor
+    finally:
+        await extractor.close()
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+# 36 prompts from 1 to 450 tokens: several prefill chunks of 64, up to 28+ blocks of 16.
+PROMPT_LENGTHS = [
+    1,
+    2,
+    3,
+    5,
+    8,
+    13,
+    16,
+    17,
+    31,
+    32,
+    33,
+    63,
+    64,
+    65,
+    100,
+    127,
+    128,
+    129,
+    150,
+    180,
+    200,
+    230,
+    255,
+    256,
+    257,
+    290,
+    310,
+    333,
+    350,
+    377,
+    400,
+    420,
+    433,
+    440,
+    449,
+    450,
+]
+
+__all__ = ["PROMPT_LENGTHS", "engine_settings", "pytest_asyncio", "random_prompts", "running"]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests.engine.checks import WORST
+
+    for model, error in WORST.items():
+        terminalreporter.write_line(
+            f"hsx: worst relative error vs transformers, {model}: {error:.2e}"
+        )
