@@ -49,6 +49,7 @@ from service.config import StorageSettings
 from service.engine.completion import CompletionSender
 from service.engine.objects import object_metadata
 from service.engine.writer import WriteJob, WriterPool
+from service.storage import storage_factory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -231,7 +232,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             CompletionSender(self._extra["completion_address"]),
             max_bytes_in_flight=int(self._extra["max_bytes_in_flight"]),
             max_concurrent_writes=storage.io_threads,
-            storage_factory=_storage_factory(self._extra.get("storage_factory")),
+            storage_factory=storage_factory(self._extra.get("storage_factory")),
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -362,15 +363,3 @@ class PinnedPool:
         """Return ``buffer`` for reuse."""
         with self._lock:
             self._free.append(buffer)
-
-
-def _storage_factory(path: str | None) -> Any:
-    """``module:callable`` building a storage backend from settings (tests inject faults)."""
-    if not path:
-        from service.storage import open_storage
-
-        return open_storage
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)

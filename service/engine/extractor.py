@@ -20,7 +20,8 @@ from service.config import Settings
 from service.engine.builder import ModelInfo, engine_args, read_model_info, resolve_layer_ids
 from service.engine.completion import Completion, CompletionReceiver
 from service.engine.connector import REQUEST_ARG
-from service.storage import Storage, open_storage
+from service.storage import Storage
+from service.storage import storage_factory as open_storage_with
 from service.storage.keys import new_object_key
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,13 @@ class Extractor:
         receiver = CompletionReceiver(f"ipc://{Path(scratch.name) / 'completions.sock'}")
         receiver.start()
         args = engine_args(settings, info, layer_ids, receiver.address, storage_factory)
-        storage = _load(storage_factory)(settings.storage) if storage_factory else None
         try:
             engine = AsyncLLM.from_engine_args(args)
         except BaseException:
             await receiver.close()
             scratch.cleanup()
             raise
-        storage = storage or open_storage(settings.storage)
+        storage = open_storage_with(storage_factory)(settings.storage)
         return cls(settings, engine, receiver, storage, info, layer_ids, scratch)
 
     async def extract(
@@ -209,10 +209,3 @@ def _extraction(completion: Completion, output: Any) -> Extraction:
         prompt_tokens=len(output.prompt_token_ids or ()),
         output_token_ids=generated,
     )
-
-
-def _load(path: str) -> Any:
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)

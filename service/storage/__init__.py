@@ -8,6 +8,7 @@ the backend in :class:`InstrumentedStorage` when metrics are given.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -46,6 +47,7 @@ __all__ = [
     "StorageUnavailableError",
     "open_storage",
     "scheme_of",
+    "storage_factory",
 ]
 
 
@@ -74,3 +76,15 @@ def open_storage(settings: StorageSettings, metrics: StorageMetrics | None = Non
     from service.storage.instrumented import InstrumentedStorage
 
     return InstrumentedStorage(backend, metrics)
+
+
+def storage_factory(path: str | None) -> Callable[[StorageSettings], Storage]:
+    """``open_storage``, or the ``"module:callable"`` named by ``path`` (fault injection
+    in tests; a custom backend in a deployment)."""
+    if not path:
+        return open_storage
+    module_name, name = path.split(":")
+    factory: Callable[[StorageSettings], Storage] = getattr(
+        importlib.import_module(module_name), name
+    )
+    return factory

@@ -16,12 +16,16 @@ wraps each one. The contract test suite in ``tests/storage/contract.py`` pins al
 from __future__ import annotations
 
 import abc
+import asyncio
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+_T = TypeVar("_T")
 CHUNK = 8 * 1024 * 1024
 
 
@@ -173,3 +177,53 @@ class Storage(abc.ABC):
     def retries(self) -> int:
         """Retries the backend's client has made so far (monotonic); 0 if it never retries."""
         return 0
+
+
+class ThreadedStorage(Storage):
+    """A backend whose I/O is blocking (files, boto3): each call runs on its own pool.
+
+    Subclasses implement the blocking ``_publish``, ``_get``, ``_head``, ``_delete`` and
+    ``_ping``; this class keeps them off the event loop.
+    """
+
+    def __init__(self, io_threads: int, name: str) -> None:
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=name)
+
+    async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+        return await self._run(self._publish, key, Source(data=data))
+
+    async def put_file(self, key: str, path: Path) -> ObjectRef:
+        return await self._run(self._publish, key, Source(path=path))
+
+    async def get(self, key: str) -> bytes:
+        return await self._run(self._get, key)
+
+    async def head(self, key: str) -> ObjectRef:
+        return await self._run(self._head, key)
+
+    async def delete(self, key: str) -> None:
+        await self._run(self._delete, key)
+
+    async def ping(self) -> None:
+        await self._run(self._ping)
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    @abc.abstractmethod
+    def _publish(self, key: str, source: Source) -> ObjectRef: ...
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def _head(self, key: str) -> ObjectRef: ...
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def _ping(self) -> None: ...

@@ -8,7 +8,6 @@ removes stale temp files can never touch a published object.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import hashlib
@@ -16,9 +15,7 @@ import logging
 import os
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from service.config import StorageSettings
@@ -28,16 +25,15 @@ from service.storage.base import (
     NotFoundError,
     ObjectRef,
     Source,
-    Storage,
     StorageError,
     StorageUnavailableError,
+    ThreadedStorage,
 )
 from service.storage.keys import validate_key
 
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".hsx-tmp-"
-_T = TypeVar("_T")
 
 
 def root_from_url(url: str) -> Path:
@@ -50,7 +46,7 @@ def root_from_url(url: str) -> Path:
     return Path(url).expanduser().absolute()
 
 
-class LocalStorage(Storage):
+class LocalStorage(ThreadedStorage):
     """Objects as files under one root directory."""
 
     scheme = "file"
@@ -69,7 +65,7 @@ class LocalStorage(Storage):
         self.create_only = create_only
         self.stale_temp_s = stale_temp_s
         self._fsync = fsync
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hsx-local")
+        super().__init__(io_threads, "hsx-local")
 
     @classmethod
     def from_settings(cls, url: str, settings: StorageSettings) -> LocalStorage:
@@ -103,32 +99,6 @@ class LocalStorage(Storage):
 
     def uri(self, key: str) -> str:
         return self.path_for(key).as_uri()
-
-    # -- async interface ----------------------------------------------------------------
-
-    async def _run(self, fn: Any, *args: Any) -> _T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
-        return await self._run(self._publish, key, Source(data=data))
-
-    async def put_file(self, key: str, path: Path) -> ObjectRef:
-        return await self._run(self._publish, key, Source(path=path))
-
-    async def get(self, key: str) -> bytes:
-        return await self._run(self._read, key)
-
-    async def head(self, key: str) -> ObjectRef:
-        return await self._run(self._head, key)
-
-    async def delete(self, key: str) -> None:
-        await self._run(self._delete, key)
-
-    async def ping(self) -> None:
-        await self._run(self._ping)
-
-    async def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
     # -- blocking work ------------------------------------------------------------------
 
@@ -192,7 +162,7 @@ class LocalStorage(Storage):
         finally:
             os.close(dfd)
 
-    def _read(self, key: str) -> bytes:
+    def _get(self, key: str) -> bytes:
         try:
             return self.path_for(key).read_bytes()
         except OSError as exc:

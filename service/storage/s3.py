@@ -10,14 +10,12 @@ AWS chain.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import boto3
@@ -31,15 +29,14 @@ from service.storage.base import (
     NotFoundError,
     ObjectRef,
     Source,
-    Storage,
     StorageConfigError,
     StorageError,
     StorageUnavailableError,
+    ThreadedStorage,
 )
 from service.storage.keys import validate_key
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _EXISTS = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
@@ -83,7 +80,7 @@ def make_client(options: S3StorageSettings, pool_size: int) -> Any:
     return boto3.session.Session().client("s3", endpoint_url=options.endpoint_url, config=config)
 
 
-class S3Storage(Storage):
+class S3Storage(ThreadedStorage):
     """Objects in one bucket under an optional prefix."""
 
     scheme = "s3"
@@ -100,7 +97,7 @@ class S3Storage(Storage):
         self.bucket, self.prefix, self.options = bucket, prefix, options
         self.create_only = create_only
         # Every io thread may run a multipart upload with max_concurrency parts at once.
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hsx-s3")
+        super().__init__(io_threads, "hsx-s3")
         self._parts = ThreadPoolExecutor(options.max_concurrency, thread_name_prefix="hsx-s3-part")
         self.client = make_client(options, pool_size=io_threads + options.max_concurrency)
         self._retries = 0
@@ -141,34 +138,11 @@ class S3Storage(Storage):
             )
         )
 
-    # -- async interface ----------------------------------------------------------------
-
-    async def _run(self, fn: Any, *args: Any) -> _T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
-        return await self._run(self._publish, key, Source(data=data))
-
-    async def put_file(self, key: str, path: Path) -> ObjectRef:
-        return await self._run(self._publish, key, Source(path=path))
-
-    async def get(self, key: str) -> bytes:
-        return await self._run(self._get, key)
-
-    async def head(self, key: str) -> ObjectRef:
-        return await self._run(self._head, key)
-
-    async def delete(self, key: str) -> None:
-        await self._run(self._delete, key)
-
-    async def ping(self) -> None:
-        await self._run(self._ping)
-
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        await super().close()
         self._parts.shutdown(wait=True)
         self.client.close()
 
