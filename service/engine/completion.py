@@ -70,8 +70,9 @@ class CompletionSender:
 class CompletionReceiver:
     """API side: PULL completions and resolve the future waiting on each key.
 
-    A completion may arrive before the request's last output is processed, or for a
-    key nobody waits on any more (the request was cancelled); ``on_orphan`` gets those.
+    ``expect`` is called before the request is submitted, so a completion never
+    precedes its waiter. One for a key nobody waits on any more (the request was
+    cancelled) goes to ``on_orphan``.
     """
 
     def __init__(self, address: str) -> None:
@@ -81,7 +82,6 @@ class CompletionReceiver:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
         self._waiting: dict[str, asyncio.Future[Completion]] = {}
-        self._early: dict[str, Completion] = {}
         self._abandoned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self.on_orphan: Any = None  # async callable(Completion) for abandoned keys
@@ -92,10 +92,7 @@ class CompletionReceiver:
     def expect(self, key: str) -> asyncio.Future[Completion]:
         """A future that resolves with ``key``'s completion."""
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        if key in self._early:
-            future.set_result(self._early.pop(key))
-        else:
-            self._waiting[key] = future
+        self._waiting[key] = future
         return future
 
     def abandon(self, key: str) -> None:
@@ -130,7 +127,7 @@ class CompletionReceiver:
             return
         future = self._waiting.pop(key, None)
         if future is None:
-            self._early[key] = completion
+            log.warning("dropping a completion for unknown key %s", key)
         elif not future.done():
             future.set_result(completion)
 

@@ -61,12 +61,9 @@ class WriterPool:
         self._thread = threading.Thread(target=self._loop.run_forever, name="hsx-writer")
         self._thread.daemon = True
         self._thread.start()
-        self._storage = self._call(self._open(storage, storage_factory))
+        self._storage = storage_factory(storage)
         self._limit = asyncio.Semaphore(max_concurrent_writes)
         self._pending: set[Future[None]] = set()
-
-    async def _open(self, settings: StorageSettings, factory: Callable[..., Any]) -> Any:
-        return factory(settings)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
