@@ -224,6 +224,10 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
                 f"hidden-state block size {self._block_size} does not match the cache "
                 f"tensor's {self._cache.shape[2]}; slots would be read from the wrong place"
             )
+        if self._cache.device.type == "cpu":
+            from service.engine import cpu_mamba
+
+            cpu_mamba.install()  # every rank: each runs its own Mamba layers
         if get_tensor_model_parallel_rank() != 0:
             return
         storage = StorageSettings.model_validate(self._extra["storage"])

@@ -119,14 +119,6 @@ class Extractor:
         Raises InvalidPromptError, StorageWriteError, EngineUnavailableError. If the
         caller is cancelled, the engine request is aborted and no object remains.
         """
-        if include_output_tokens and max_tokens > 1 and self.info.hybrid:
-            # Measured on vLLM 0.32 (CPU): under extract_hidden_states, decode steps of
-            # Mamba layers diverge from transformers (prompt states stay exact), so the
-            # generated tokens' states would be wrong. Refuse rather than store them.
-            raise InvalidPromptError(
-                "include_output_tokens: not supported for hybrid models (generated-token "
-                "states of Mamba layers are not exact in this vLLM version)"
-            )
         key = new_object_key(self.settings.storage.key_prefix, namespace)
         waiter = self._receiver.expect(key)
         try:

@@ -1,0 +1,109 @@
+"""Our CPU conv update against a plain causal convolution over the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from service.engine.cpu_mamba import causal_conv1d_update_spec
+
+WIDTH, DIM = 4, 6
+
+
+def full_conv(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """silu(causal conv) over [dim, n] from a zero history: the value every token must get."""
+    padded = torch.cat([torch.zeros(DIM, WIDTH - 1), tokens], dim=-1)
+    return F.silu(F.conv1d(padded[None], weight[:, None], bias, groups=DIM))[0]
+
+
+@pytest.fixture
+def parts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(DIM, WIDTH, generator=gen), torch.randn(DIM, generator=gen)
+    tokens = torch.randn(DIM, 12, generator=gen)
+    # vLLM stores (lines, state_len, dim) and hands the kernels a transposed view; the
+    # speculative layout has width - 1 + 1 columns. Garbage elsewhere must never be read.
+    store = torch.full((3, WIDTH, DIM), 7.0)
+    return weight, bias, tokens, store
+
+
+def step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    accepted: list[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    lengths: list[int],
+) -> torch.Tensor:
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return causal_conv1d_update_spec(
+        x.transpose(0, 1).contiguous(),
+        state,
+        weight,
+        bias,
+        "silu",
+        conv_state_indices=torch.tensor([[1, 2]], dtype=torch.int32),
+        num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32),
+        query_start_loc=starts,
+        null_block_id=0,
+    ).transpose(0, 1)
+
+
+def test_rolling_window_matches_a_full_convolution(parts: tuple[torch.Tensor, ...]) -> None:
+    weight, bias, tokens, store = parts
+    state = store.transpose(-1, -2)
+    expected = full_conv(tokens, weight, bias)
+    # A prefill of tokens 0..3 leaves its last width-1 inputs in columns 0..2.
+    state[1, :, : WIDTH - 1] = tokens[:, 1:4]
+    # The one-token last chunk of a prefill (the row vLLM's CPU kernel got wrong).
+    out = step(state, tokens[:, 4:5], [1], weight, bias, [1])
+    torch.testing.assert_close(out[:, 0], expected[:, 4])
+    # A decode step: sampled token 5 plus a draft that will be rejected.
+    draft = torch.randn(DIM, 1)
+    out = step(state, torch.cat([tokens[:, 5:6], draft], -1), [1], weight, bias, [2])
+    torch.testing.assert_close(out[:, 0], expected[:, 5])
+    # Draft rejected (1 accepted); this time the draft is token 7 and is accepted.
+    out = step(state, tokens[:, 6:8], [1], weight, bias, [2])
+    torch.testing.assert_close(out, expected[:, 6:8])
+    out = step(state, tokens[:, 8:10], [2], weight, bias, [2])
+    torch.testing.assert_close(out, expected[:, 8:10])
+
+
+def test_padding_rows_are_skipped(parts: tuple[torch.Tensor, ...]) -> None:
+    weight, bias, tokens, store = parts
+    state = store.transpose(-1, -2)
+    before = store.clone()
+    causal_conv1d_update_spec(
+        tokens[:, :1].transpose(0, 1).contiguous(),
+        state,
+        weight,
+        bias,
+        "silu",
+        conv_state_indices=torch.tensor([[0, 0]], dtype=torch.int32),
+        num_accepted_tokens=torch.tensor([1], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        null_block_id=0,
+    )
+    assert torch.equal(store, before)
+
+
+def test_vllm_cpu_kernel_still_needs_the_fix(parts: tuple[torch.Tensor, ...]) -> None:
+    """Canary: when vLLM's own CPU kernel gets this row right, drop service/engine/cpu_mamba."""
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
+
+    weight, bias, tokens, store = parts
+    state = store.transpose(-1, -2)
+    state[1, :, : WIDTH - 1] = tokens[:, 1:4]
+    out = causal_conv1d_update_cpu(
+        tokens[:, 4:5].transpose(0, 1).contiguous(),
+        state,
+        weight,
+        bias,
+        "silu",
+        conv_state_indices=torch.tensor([[1, 2]], dtype=torch.int32),
+        num_accepted_tokens=torch.tensor([1], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        pad_slot_id=0,
+    )
+    assert not torch.allclose(out[0], full_conv(tokens, weight, bias)[:, 4], atol=1e-3)
