@@ -184,9 +184,29 @@ class Extractor:
     async def close(self) -> None:
         """Shut the engine down (the connector drains its writers), then release all."""
         self.engine.shutdown()
+        _release_vllm_resources(self.engine)
         await self._receiver.close()
         await self._storage.close()
         self._scratch.cleanup()
+
+
+def _release_vllm_resources(engine: Any) -> None:
+    """Release what vLLM 0.32's shutdown leaves open in this process.
+
+    It closes its client sockets but never terminates their ZMQ context (three native
+    threads, eight descriptors), and keeps the exited EngineCore's process objects with
+    their sentinel pipes. Both live as long as vLLM's own references, which outlast the
+    engine in a process that restarts engines.
+    """
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    context = getattr(resources, "ctx", None)
+    if context is not None and not context.closed:
+        context.destroy(linger=0)
+    manager = getattr(resources, "engine_manager", None)
+    for process in getattr(manager, "processes", ()):
+        process.join(timeout=5)
+        if process.exitcode is not None:
+            process.close()
 
 
 def _extraction(completion: Completion, output: Any) -> Extraction:
