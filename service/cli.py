@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
 
 from service import __version__
 from service.config import Settings
@@ -44,9 +47,45 @@ def _cmd_make_model(_settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(_settings: Settings, _args: argparse.Namespace) -> int:
-    print("hsx serve is not implemented yet (see the README's status).", file=sys.stderr)
-    return 2
+def _cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
+    """Start the HTTP service (no model configured: a tiny demo model, made once)."""
+    from service.serve import serve
+
+    return serve(settings)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+#: ``hsx serve`` flags: (flag, settings path, type, help).
+SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--model", "engine.model", str, "model path or Hugging Face id"),
+    ("--layer-ids", "engine.layer_ids", _int_list, "comma-separated layer ids"),
+    ("--dtype", "engine.dtype", str, "auto, float32, bfloat16 or float16"),
+    ("--max-model-len", "engine.max_model_len", int, "longest sequence in tokens"),
+    ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per replica"),
+    ("--storage-url", "storage.url", str, "a directory, file://... or s3://bucket/prefix"),
+    ("--host", "server.host", str, "address to bind (default 127.0.0.1)"),
+    ("--port", "server.port", int, "port to bind"),
+    ("--api-keys-file", "server.api_keys_file", str, "file of namespace:key lines"),
+    ("--max-prompts", "limits.max_prompts", int, "prompts per request"),
+    ("--max-total-tokens", "limits.max_total_tokens", int, "tokens per request"),
+    ("--max-tokens", "limits.max_tokens", int, "largest max_tokens a request may ask"),
+    ("--max-body-bytes", "limits.max_body_bytes", int, "largest request body"),
+    ("--request-timeout", "limits.request_timeout_s", float, "deadline of one request (s)"),
+]
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Nested settings from the flags that were given (flags beat HSX_ variables)."""
+    nested: dict[str, Any] = {}
+    for flag, path, _, _ in SERVE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            section, name = path.split(".")
+            nested.setdefault(section, {})[name] = value
+    return nested
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +104,23 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--kind", choices=["llama", "nemotron-h"], default="llama")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_cmd_make_model)
-    commands.add_parser("serve", help="Start the HTTP service.").set_defaults(func=_cmd_serve)
+    serve = commands.add_parser("serve", help=_cmd_serve.__doc__)
+    for flag, path, kind, text in SERVE_FLAGS:
+        serve.add_argument(flag, type=kind, default=None, help=f"{text} (HSX_{_env(path)})")
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
-    settings = Settings()
+    try:
+        settings = Settings(**_overrides(args))
+    except ValidationError as exc:
+        print(f"hsx: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
     return int(args.func(settings, args))
+
+
+def _env(path: str) -> str:
+    return path.upper().replace(".", "__")

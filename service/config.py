@@ -12,7 +12,7 @@ import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -34,6 +34,11 @@ class ServerSettings(BaseModel):
         None,
         description="File of API keys, one `namespace:key` per line. Several keys may map "
         "to one namespace (rotation). Without keys the service runs open.",
+    )
+    api_keys: SecretStr | None = Field(
+        None,
+        description="More keys, `namespace:key` pairs separated by commas (for secrets "
+        "injected as one environment variable). Never logged.",
     )
     shutdown_grace_s: float = Field(
         30.0, gt=0, description="Seconds that requests in flight get to finish on SIGTERM."
@@ -202,7 +207,13 @@ class LimitsSettings(BaseModel):
         1024 * MIB,
         ge=MIB,
         description="Ceiling on hidden-state bytes copied out but not yet durable; past "
-        "it the engine holds blocks and new requests get 429.",
+        "it the engine keeps their KV blocks held, so the scheduler slows down.",
+    )
+    max_queued_prompts: int = Field(
+        1024,
+        ge=1,
+        description="Prompts admitted but not yet finished; past it new requests get 429 "
+        "with Retry-After.",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request (504).")
 

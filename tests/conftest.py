@@ -1,9 +1,10 @@
-"""Fixtures shared by the whole suite: a real S3 endpoint (moto) on 127.0.0.1."""
+"""Fixtures shared by the whole suite: a real S3 endpoint (moto) on 127.0.0.1, tiny models."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -11,6 +12,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from service.config import S3StorageSettings, StorageSettings
+from service.engine.tiny_models import make_model
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +59,17 @@ def s3_settings(endpoint: str, bucket: str, prefix: str = "data", **s3: Any) -> 
     """Storage settings for the moto endpoint; ``s3`` overrides S3 options."""
     options = {"endpoint_url": endpoint, "region": "us-east-1", "max_attempts": 3, **s3}
     return StorageSettings(url=f"s3://{bucket}/{prefix}", s3=S3StorageSettings(**options))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Lazily made tiny models by kind, shared by the whole session."""
+    root = tmp_path_factory.mktemp("models")
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_model(root / kind, kind)  # type: ignore[arg-type]
+        return made[kind]
+
+    return get

@@ -22,6 +22,7 @@ class ModelInfo:
     num_layers: int
     hidden_size: int
     hybrid: bool
+    vocab_size: int = 0  # rows of the embedding; 0 when the config does not say
 
 
 def read_model_info(model: str, name: str | None = None) -> ModelInfo:
@@ -34,7 +35,10 @@ def read_model_info(model: str, name: str | None = None) -> ModelInfo:
     hybrid = text.model_type in _HYBRID_TYPES or any(
         "mamba" in str(t) or "linear" in str(t) for t in (layer_types or ())
     )
-    return ModelInfo(name or model, int(text.num_hidden_layers), int(text.hidden_size), hybrid)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    return ModelInfo(
+        name or model, int(text.num_hidden_layers), int(text.hidden_size), hybrid, vocab
+    )
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

@@ -77,6 +77,23 @@ class Extractor:
         self.max_model_len = int(engine.vllm_config.model_config.max_model_len)
         #: Highest in-flight byte count the writer reported (copied out, not yet durable).
         self.peak_bytes_in_flight = 0
+        #: Requests handed to the engine so far (the API's tests count on it).
+        self.requests_submitted = 0
+
+    @property
+    def storage(self) -> Storage:
+        """The storage objects are written to (reads and deletes go through it)."""
+        return self._storage
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (Hugging Face interface)."""
+        return self.engine.tokenizer
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine has died."""
+        return not self.engine.errored
 
     @classmethod
     async def start(cls, settings: Settings, *, storage_factory: str | None = None) -> Extractor:
@@ -159,6 +176,7 @@ class Extractor:
             },
         )
         final = None
+        self.requests_submitted += 1
         try:
             stream = self.engine.generate(
                 TokensPrompt(prompt_token_ids=prompt), params, f"hsx-{uuid.uuid4().hex}"

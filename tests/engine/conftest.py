@@ -8,25 +8,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import pytest_asyncio
 
 from service.config import Settings
-from service.engine.tiny_models import make_model
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Lazily made tiny models by kind, shared by the whole session."""
-    root = tmp_path_factory.mktemp("models")
-    made: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in made:
-            made[kind] = make_model(root / kind, kind)  # type: ignore[arg-type]
-        return made[kind]
-
-    return get
 
 
 def engine_settings(model: Path, storage_url: str, **overrides: Any) -> Settings:

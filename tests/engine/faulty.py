@@ -1,7 +1,9 @@
 """A storage backend that fails or slows writes on demand, for the engine fault tests.
 
 Loaded inside vLLM's worker through the connector's ``storage_factory`` hook. It wraps
-the real backend: puts to a namespace starting with ``fail`` raise, and every put waits
+the real backend: puts to a namespace starting with ``fail`` raise, puts to one starting
+with ``flaky`` raise for objects with an odd number of tokens (so one request can have
+some prompts written and others not), and every put waits
 ``HSX_TEST_WRITE_DELAY_S`` seconds first (read at start-up from the environment, which
 the worker process inherits).
 """
@@ -22,7 +24,8 @@ class FaultyStorage(Storage):
 
     async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
         await asyncio.sleep(self.delay_s)
-        if key.split("/")[1].startswith("fail"):
+        namespace = key.split("/")[1]
+        if namespace.startswith("fail") or (namespace.startswith("flaky") and _odd(data)):
             raise StorageError("injected write failure", operation="put", key=key)
         return await self.inner.put(key, data)
 
@@ -46,6 +49,12 @@ class FaultyStorage(Storage):
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+def _odd(data: bytes | bytearray | memoryview) -> bool:
+    from safetensors.torch import load
+
+    return load(bytes(data))["token_ids"].numel() % 2 == 1
 
 
 def open_faulty_storage(settings: StorageSettings) -> Storage:

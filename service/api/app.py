@@ -1,0 +1,91 @@
+"""``create_app(settings)``: the FastAPI application around one extractor."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from prometheus_client import CollectorRegistry
+
+import service
+from service.api.auth import ApiKeys
+from service.api.body_limit import BodyLimitMiddleware
+from service.api.deps import caller_namespace
+from service.api.errors import install_error_handlers
+from service.api.routes import extract, meta, objects
+from service.api.state import Admission, ApiState, StorageProbe
+from service.config import Settings
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """Hidden states of a real model, one safetensors object per prompt.
+
+`POST /extract` answers once every object is durable. Objects hold `hidden_states`
+[num_tokens, num_layers, hidden_size] and `token_ids` [num_tokens]. Every route but
+`/health`, `/ready` and `/metrics` needs `Authorization: Bearer <key>`; errors share one
+shape, `{"error": {"type", "message", "field"?, "index"?}}`.
+"""
+
+
+def create_app(
+    settings: Settings,
+    *,
+    extractor: Any = None,
+    storage_factory: str | None = None,
+    keys: ApiKeys | None = None,
+) -> FastAPI:
+    """The app. Without ``extractor`` it starts (and at shutdown closes) its own.
+
+    ``storage_factory`` is passed to the engine's writer (tests inject faults with it);
+    ``keys`` overrides the configured API keys.
+    """
+    if keys is None:
+        keys = ApiKeys.load(settings.server.api_keys_file, _inline_keys(settings))
+    state = ApiState(settings=settings, keys=keys, registry=CollectorRegistry())
+    state.admission = Admission(settings.limits.max_queued_prompts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        from service.engine.extractor import Extractor
+
+        owned = extractor is None
+        if not keys.enabled:
+            log.warning("hsx: no API keys configured; every caller is namespace 'default'")
+        state.extractor = extractor or await Extractor.start(
+            settings, storage_factory=storage_factory
+        )
+        state.probe = StorageProbe(state.storage)
+        try:
+            yield
+        finally:
+            state.draining = True
+            if owned:
+                await state.extractor.close()  # drains the writer: every object lands
+
+    app = FastAPI(
+        title="hsx",
+        version=service.__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        openapi_url=None,  # served by meta.openapi, behind a key
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.hsx = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    app.include_router(meta.public)
+    protected = [Depends(caller_namespace)]
+    app.include_router(meta.private, dependencies=protected)
+    app.include_router(extract.router, dependencies=protected)
+    app.include_router(objects.router, dependencies=protected)
+    app.openapi_schema = None
+    return app
+
+
+def _inline_keys(settings: Settings) -> str | None:
+    secret = settings.server.api_keys
+    return secret.get_secret_value() if secret is not None else None

@@ -1,0 +1,94 @@
+"""One JSON error shape: ``{"error": {"type", "message", "field"?, "index"?}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.api.schemas import ErrorBody, ErrorDetail
+
+
+class ApiError(Exception):
+    """An error the client sees as ``status`` with the shared body."""
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        *,
+        field: str | None = None,
+        index: int | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.headers, self.extra = status, headers, extra or {}
+        self.detail = ErrorDetail(type=type, message=message, field=field, index=index)
+
+    def response(self) -> JSONResponse:
+        body = ErrorBody(error=self.detail).model_dump(exclude_none=True) | self.extra
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _field_and_index(loc: tuple[Any, ...]) -> tuple[str | None, int | None]:
+    """``("body", "prompts", 3, "text")`` -> ``("prompts[3].text", 3)``."""
+    parts = [p for p in loc if p != "body"]
+    index = parts[1] if len(parts) > 1 and parts[0] == "prompts" else None
+    field = ""
+    for part in parts:
+        if isinstance(part, int):
+            field += f"[{part}]"
+        elif not part.startswith(("function-", "tagged-union", "str", "list[")):
+            field += f".{part}" if field else part
+    return field or None, index if isinstance(index, int) else None
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    field, index = _field_and_index(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid request"))
+    where = f"{field}: " if field else ""
+    return ApiError(
+        422, "invalid_request", f"{where}{message}", field=field, index=index
+    ).response()
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = {
+        401: "unauthorized",
+        404: "not_found",
+        405: "method_not_allowed",
+        413: "payload_too_large",
+    }.get(exc.status_code, "http_error")
+    headers = dict(exc.headers or {})
+    field = "body" if exc.status_code == 413 else None
+    return ApiError(exc.status_code, kind, str(exc.detail), headers=headers, field=field).response()
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _storage_error(_: Request, exc: Exception) -> JSONResponse:
+    from service.storage.base import StorageUnavailableError
+
+    status = 503 if isinstance(exc, StorageUnavailableError) else 502
+    return ApiError(status, "storage_error", f"storage: {exc}").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the shared shape."""
+    from service.storage.base import StorageError
+
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StorageError, _storage_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)

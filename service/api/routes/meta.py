@@ -1,0 +1,86 @@
+"""Health, readiness, metrics, version, models and the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import prometheus_client
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import service
+from service.api.deps import StateDep
+from service.api.schemas import ModelCard, ModelList, Status, Version
+
+public = APIRouter()
+private = APIRouter()
+UNAVAILABLE: dict[int | str, dict[str, Any]] = {
+    503: {"model": Status, "description": "Not serving"}
+}
+
+
+@public.get("/health", response_model=Status, responses=UNAVAILABLE)
+async def health(state: StateDep) -> JSONResponse:
+    """Liveness: 200 while the engine lives, 503 once it has died."""
+    if state.extractor is None or not state.extractor.alive:
+        return _status(503, "dead", "the engine is not running")
+    return _status(200, "ok")
+
+
+@public.get("/ready", response_model=Status, responses=UNAVAILABLE)
+async def ready(state: StateDep) -> JSONResponse:
+    """Readiness: engine started, storage reachable, not shutting down."""
+    if state.draining:
+        return _status(503, "draining", "shutting down")
+    if state.extractor is None or not state.extractor.alive:
+        return _status(503, "unavailable", "the engine is not running")
+    assert state.probe is not None
+    error = await state.probe.error()
+    if error is not None:
+        return _status(503, "unavailable", f"storage: {error}")
+    return _status(200, "ready")
+
+
+@public.get(
+    "/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}}
+)
+async def metrics(state: StateDep) -> Response:
+    """Prometheus text: hsx's metrics and vLLM's (``vllm:*``, in the default registry)."""
+    text = generate_latest(prometheus_client.REGISTRY) + generate_latest(state.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@private.get("/version", response_model=Version)
+async def version() -> Version:
+    """Versions of hsx and of the vLLM it runs."""
+    import vllm
+
+    return Version(version=service.__version__, vllm=str(vllm.__version__))
+
+
+@private.get("/v1/models", response_model=ModelList)
+async def models(state: StateDep) -> ModelList:
+    """The served model and what its objects hold."""
+    extractor = state.extractor
+    card = ModelCard(
+        id=extractor.info.name,
+        layer_ids=extractor.layer_ids,
+        hidden_size=extractor.info.hidden_size,
+        dtype=extractor.dtype,
+        max_model_len=extractor.max_model_len,
+        storage_backend=state.backend,
+    )
+    return ModelList(data=[card])
+
+
+@private.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request) -> JSONResponse:
+    """The OpenAPI document (behind a key, like every non-probe route)."""
+    return JSONResponse(request.app.openapi())
+
+
+def _status(code: int, status: str, detail: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        Status(status=status, detail=detail).model_dump(exclude_none=True), status_code=code
+    )

@@ -1,0 +1,79 @@
+"""``GET`` and ``DELETE /objects/{key}``, only inside the caller's namespace.
+
+A key outside the caller's namespace is a 404, exactly like a missing one, so nobody
+learns what other namespaces hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import FileResponse, RedirectResponse
+
+from service.api.deps import NamespaceDep, StateDep
+from service.api.errors import ApiError
+from service.api.schemas import ErrorBody
+from service.api.state import ApiState
+from service.storage import Storage
+from service.storage.base import NotFoundError
+from service.storage.keys import namespace_of
+
+router = APIRouter()
+SAFETENSORS = "application/octet-stream"
+NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorBody, "description": "No such object"}
+}
+
+
+@router.get(
+    "/objects/{key:path}",
+    responses={
+        200: {"content": {SAFETENSORS: {}}, "description": "The object's bytes"},
+        307: {"description": "Redirect to a short-lived presigned URL (S3)"},
+        **NOT_FOUND,
+    },
+    response_class=Response,
+)
+async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
+    """Stream an object (local disk) or redirect to a presigned URL (S3)."""
+    owned(state, key, namespace)
+    backend = unwrap(state.storage)
+    try:
+        await backend.head(key)
+    except NotFoundError:
+        raise not_found(key) from None
+    if hasattr(backend, "path_for"):
+        return FileResponse(
+            backend.path_for(key), media_type=SAFETENSORS, filename=key.rsplit("/", 1)[-1]
+        )
+    if hasattr(backend, "presign_get"):
+        return RedirectResponse(backend.presign_get(key), status_code=307)
+    return Response(await backend.get(key), media_type=SAFETENSORS)
+
+
+@router.delete("/objects/{key:path}", status_code=204, responses=NOT_FOUND, response_class=Response)
+async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
+    """Remove one object."""
+    owned(state, key, namespace)
+    try:
+        await state.storage.head(key)
+    except NotFoundError:
+        raise not_found(key) from None
+    await state.storage.delete(key)
+    return Response(status_code=204)
+
+
+def owned(state: ApiState, key: str, namespace: str) -> None:
+    if namespace_of(key, state.settings.storage.key_prefix) != namespace:
+        raise not_found(key)
+
+
+def not_found(key: str) -> ApiError:
+    return ApiError(404, "not_found", f"key: no object {key[:300]!r}", field="key")
+
+
+def unwrap(storage: Storage) -> Storage:
+    """The backend under any decorator (metrics), for its backend-specific reads."""
+    inner = getattr(storage, "inner", None)
+    return unwrap(inner) if isinstance(inner, Storage) else storage

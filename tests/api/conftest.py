@@ -1,0 +1,132 @@
+"""Real uvicorn servers on 127.0.0.1 around a real engine, run in a thread of their own.
+
+The engine and the servers share one event loop in a background thread; tests talk to
+them over HTTP only, with ordinary clients, exactly as users do. Several apps (each
+with its own settings) can sit on one engine: an engine start costs 20 s here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.api.auth import ApiKeys
+from service.config import Settings
+from tests.engine.conftest import engine_settings
+
+KEY_A = "team-a-key-0123456789"
+KEY_A2 = "team-a-rotated-key-9876543210"
+KEY_B = "team-b-key-0123456789"
+KEY_FLAKY = "flaky-key-0123456789"
+KEYS = ApiKeys(
+    [("team-a", KEY_A), ("team-a", KEY_A2), ("team-b", KEY_B), ("flaky-team", KEY_FLAKY)]
+)
+AUTH_A = {"Authorization": f"Bearer {KEY_A}"}
+AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
+AUTH_FLAKY = {"Authorization": f"Bearer {KEY_FLAKY}"}
+
+
+class ServerThread:
+    """An event loop thread holding one engine and any number of uvicorn servers."""
+
+    def __init__(self, settings: Settings, storage_factory: str | None = None) -> None:
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers: list[Any] = []
+        self.extractor = self.call(self._start(storage_factory), timeout=300)
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future.result(timeout)
+
+    async def _start(self, storage_factory: str | None) -> Any:
+        from service.engine.extractor import Extractor
+
+        return await Extractor.start(self.settings, storage_factory=storage_factory)
+
+    def serve(self, keys: ApiKeys | None = KEYS, **limits: Any) -> str:
+        """Start a server for a new app on the shared engine; returns its base URL."""
+        settings = self.settings.model_copy(
+            update={"limits": self.settings.limits.model_copy(update=limits)}
+        )
+        return str(self.call(self._serve(settings, keys)))
+
+    async def _serve(self, settings: Settings, keys: ApiKeys | None) -> str:
+        import uvicorn
+
+        from service.api.app import create_app
+
+        app = create_app(settings, extractor=self.extractor, keys=keys or ApiKeys([]))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        self.servers.append((server, task, app))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def unfinished(self) -> bool:
+        """Whether the engine still has requests (a leak once all callers are done)."""
+        return bool(self.extractor.engine.output_processor.has_unfinished_requests())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for server, task, _ in self.servers:
+                server.should_exit = True
+                with contextlib.suppress(Exception):
+                    await task
+            await self.extractor.close()
+
+        self.call(stop(), timeout=120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def local_engine(model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """The dense model on local disk, behind as many apps as the tests need."""
+    root = tmp_path_factory.mktemp("api-objects")
+    settings = engine_settings(
+        model_dir("llama"),
+        str(root),
+        limits={"max_prompts": 8, "max_total_tokens": 1200, "max_tokens": 64,
+                "max_body_bytes": 65536, "max_queued_prompts": 64},
+    )
+    # Real local storage, except the fault rules of tests.engine.faulty (namespaces
+    # "fail*" and "flaky*"), so one engine serves the failure tests too.
+    thread = ServerThread(settings, storage_factory="tests.engine.faulty:open_faulty_storage")
+    thread.root = root  # type: ignore[attr-defined]
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="session")
+def local_url(local_engine: ServerThread) -> str:
+    """The default app: keys for team-a (two, rotation) and team-b."""
+    return local_engine.serve()
+
+
+@pytest.fixture
+def client(local_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=local_url, timeout=120) as c:
+        yield c
+
+
+def objects_under(root: Path, namespace: str) -> set[str]:
+    base = root / "hsx" / namespace
+    return {str(p.relative_to(root)) for p in base.rglob("*") if p.is_file()} if base.exists() else set()
