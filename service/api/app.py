@@ -16,6 +16,7 @@ from service.api.body_limit import BodyLimitMiddleware
 from service.api.deps import caller_namespace
 from service.api.errors import install_error_handlers
 from service.api.routes import extract, meta, objects
+from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
 
@@ -78,10 +79,13 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
     app.include_router(meta.public)
-    protected = [Depends(caller_namespace)]
-    app.include_router(meta.private, dependencies=protected)
-    app.include_router(extract.router, dependencies=protected)
-    app.include_router(objects.router, dependencies=protected)
+    protected: dict[str, Any] = {
+        "dependencies": [Depends(caller_namespace)],
+        "responses": {401: {"model": ErrorBody, "description": "Missing or invalid API key"}},
+    }
+    app.include_router(meta.private, **protected)
+    app.include_router(extract.router, **protected)
+    app.include_router(objects.router, **protected)
     app.openapi_schema = None
     return app
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,24 +36,34 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+#: Error types that only say "this union branch does not apply": never the best error.
+_BRANCH_MISMATCH = {"string_type", "model_type", "dict_type", "model_attributes_type"}
+
+
+def _best_error(errors: Sequence[Any]) -> Any:
+    """The error to report: for ``str | PromptObject``, the branch the input was meant for."""
+    specific = [e for e in errors if e.get("type") not in _BRANCH_MISMATCH]
+    return (specific or list(errors))[0]
+
+
 def _field_and_index(loc: tuple[Any, ...]) -> tuple[str | None, int | None]:
-    """``("body", "prompts", 3, "text")`` -> ``("prompts[3].text", 3)``."""
+    """``("body", "prompts", 3, "PromptObject", "text")`` -> ``("prompts[3].text", 3)``."""
     parts = [p for p in loc if p != "body"]
-    index = parts[1] if len(parts) > 1 and parts[0] == "prompts" else None
+    index = None
+    if len(parts) > 1 and parts[0] == "prompts" and isinstance(parts[1], int):
+        index = parts[1]
+        del parts[2:3]  # the union branch pydantic tried ("constrained-str", "PromptObject")
     field = ""
     for part in parts:
-        if isinstance(part, int):
-            field += f"[{part}]"
-        elif not part.startswith(("function-", "tagged-union", "str", "list[")):
-            field += f".{part}" if field else part
-    return field or None, index if isinstance(index, int) else None
+        field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
+    return field or None, index
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0]
+    first = _best_error(exc.errors())
     field, index = _field_and_index(tuple(first.get("loc", ())))
-    message = str(first.get("msg", "invalid request"))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = f"{field}: " if field else ""
     return ApiError(
         422, "invalid_request", f"{where}{message}", field=field, index=index

@@ -15,7 +15,7 @@ MetadataValue = Annotated[str, StringConstraints(max_length=4096)]
 class Message(BaseModel):
     """One chat message, rendered with the model's chat template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
@@ -26,6 +26,7 @@ class PromptObject(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,
         json_schema_extra={
             "examples": [
                 {"token_ids": [1, 2, 3]},
@@ -56,6 +57,7 @@ class ExtractRequest(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,  # "yes" is not a boolean, "5" not an integer
         json_schema_extra={
             "examples": [
                 {"prompts": ["The capital of France is", {"token_ids": [1, 15, 27]}]},

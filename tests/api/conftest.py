@@ -98,14 +98,21 @@ class ServerThread:
 
 
 @pytest.fixture(scope="session")
-def local_engine(model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+def local_engine(
+    model_dir: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerThread]:
     """The dense model on local disk, behind as many apps as the tests need."""
     root = tmp_path_factory.mktemp("api-objects")
     settings = engine_settings(
         model_dir("llama"),
         str(root),
-        limits={"max_prompts": 8, "max_total_tokens": 1200, "max_tokens": 64,
-                "max_body_bytes": 65536, "max_queued_prompts": 64},
+        limits={
+            "max_prompts": 8,
+            "max_total_tokens": 1200,
+            "max_tokens": 64,
+            "max_body_bytes": 65536,
+            "max_queued_prompts": 64,
+        },
     )
     # Real local storage, except the fault rules of tests.engine.faulty (namespaces
     # "fail*" and "flaky*"), so one engine serves the failure tests too.
@@ -129,4 +136,8 @@ def client(local_url: str) -> Iterator[httpx.Client]:
 
 def objects_under(root: Path, namespace: str) -> set[str]:
     base = root / "hsx" / namespace
-    return {str(p.relative_to(root)) for p in base.rglob("*") if p.is_file()} if base.exists() else set()
+    return (
+        {str(p.relative_to(root)) for p in base.rglob("*") if p.is_file()}
+        if base.exists()
+        else set()
+    )

@@ -22,7 +22,12 @@ def test_extract_token_ids_text_and_messages(
             {"token_ids": ids[0]},
             {"token_ids": ids[1]},
             "hello world, hidden states",
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            },
             {"token_ids": ids[2]},
         ],
         "metadata": {"dataset": "unit"},
@@ -32,7 +37,8 @@ def test_extract_token_ids_text_and_messages(
     data = response.json()
     extractor = local_engine.extractor
     assert data["layer_ids"] == extractor.layer_ids
-    assert data["hidden_size"] == 128 and data["dtype"] == "float32"
+    assert data["hidden_size"] == 128
+    assert data["dtype"] == "float32"
     assert [o["index"] for o in data["objects"]] == [0, 1, 2, 3, 4]
     tokenizer = extractor.tokenizer
     expected_ids = [
@@ -73,7 +79,8 @@ def test_include_output_tokens_over_http(client: httpx.Client, local_engine: Ser
     obj = response.json()["objects"][0]
     tensors = load(client.get(f"/objects/{obj['key']}", headers=AUTH_A).content)
     stored = tensors["token_ids"].tolist()
-    assert stored[:30] == prompt and len(stored) == 30 + 4  # the last token has no state
+    assert stored[:30] == prompt
+    assert len(stored) == 30 + 4  # the last generated token has no state
     assert response.json()["usage"] == {"prompt_tokens": 30, "total_tokens": 35}
 
 

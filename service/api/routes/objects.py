@@ -22,7 +22,10 @@ from service.storage.keys import namespace_of
 router = APIRouter()
 SAFETENSORS = "application/octet-stream"
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
-    404: {"model": ErrorBody, "description": "No such object"}
+    404: {"model": ErrorBody, "description": "No such object (or not in your namespace)"},
+    422: {"model": ErrorBody, "description": "Invalid key"},
+    502: {"model": ErrorBody, "description": "Storage failed"},
+    503: {"model": ErrorBody, "description": "Storage unavailable"},
 }
 
 
