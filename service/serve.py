@@ -9,6 +9,7 @@ was sent is durable. The exit status is 0.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -58,8 +59,16 @@ def serve(settings: Settings) -> int:
         access_log=False,
     )
     server = DrainingServer(config, on_exit=lambda: setattr(app.state.hsx, "draining", True))
+    # After its graceful shutdown uvicorn re-raises the signal to the handler that was
+    # installed before it started. A drained SIGTERM is a clean stop: make that handler
+    # a no-op so the exit status is 0 (Kubernetes reads anything else as a crash).
+    signal.signal(signal.SIGTERM, _already_drained)
     server.run()
     return 0 if server.started else 1
+
+
+def _already_drained(signum: int, frame: FrameType | None) -> None:
+    log.info("hsx: drained after signal %d; exiting", signum)
 
 
 class DrainingServer(uvicorn.Server):

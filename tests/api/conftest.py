@@ -141,3 +141,10 @@ def objects_under(root: Path, namespace: str) -> set[str]:
         if base.exists()
         else set()
     )
+
+
+def as_extraction(obj: dict[str, Any]) -> Any:
+    """A response's object as ``assert_object_matches`` reads an extraction."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=tuple(obj["shape"]), num_tokens=obj["num_tokens"])

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from safetensors.torch import load
 
-from tests.api.conftest import AUTH_A, AUTH_B, ServerThread, objects_under
+from tests.api.conftest import AUTH_A, AUTH_B, ServerThread, as_extraction, objects_under
 from tests.engine.checks import assert_object_matches, object_metadata
 from tests.engine.conftest import random_prompts
 
@@ -65,7 +65,9 @@ def test_extract_token_ids_text_and_messages(
         fetched = client.get(f"/objects/{obj['key']}", headers=AUTH_A)
         assert fetched.status_code == 200
         assert fetched.content == path.read_bytes()
-        assert_object_matches(fetched.content, model, token_ids, data["layer_ids"], _Shape(obj))
+        assert_object_matches(
+            fetched.content, model, token_ids, data["layer_ids"], as_extraction(obj)
+        )
         assert object_metadata(fetched.content)["dataset"] == "unit"
     total = sum(len(t) for t in expected_ids)
     assert data["usage"] == {"prompt_tokens": total, "total_tokens": total + 5}
@@ -95,11 +97,3 @@ def test_namespaces_are_isolated(client: httpx.Client, local_engine: ServerThrea
     assert client.get(f"/objects/{key}", headers=AUTH_B).status_code == 404
     assert client.delete(f"/objects/{key}", headers=AUTH_B).status_code == 404
     assert key not in objects_under(local_engine.root, "team-b")  # type: ignore[attr-defined]
-
-
-class _Shape:
-    """What assert_object_matches reads from an extraction, from a response object."""
-
-    def __init__(self, obj: dict[str, object]) -> None:
-        self.shape = tuple(obj["shape"])  # type: ignore[call-overload]
-        self.num_tokens = obj["num_tokens"]

@@ -1,0 +1,140 @@
+"""``hsx serve`` as users run it: a real process, the demo model, SIGTERM mid-request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from service.serve import DrainingServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 180) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "hsx serve exited during start-up"
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("hsx serve did not become ready")
+
+
+def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        # Small and exact, as the engine tests run it; no model: the demo is made.
+        "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
+        "HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "1",
+        "HSX_ENGINE__MAX_NUM_BATCHED_TOKENS": "64",
+        "HSX_SERVER__SHUTDOWN_GRACE_S": "60",
+    }
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        assert (tmp_path / "var/models/tiny-llama/config.json").is_file()
+        results: list[Any] = []
+
+        def extract() -> None:
+            body = {"prompts": [{"token_ids": list(range(3, 103))}], "max_tokens": 40}
+            results.append(httpx.post(f"{url}/extract", json=body, timeout=120))
+
+        threads = [threading.Thread(target=extract) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # requests are in flight
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(120)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    output = (tmp_path / "serve.log").read_text()
+    assert "no API keys configured" in output
+    assert "Waiting for connections to close" in output  # SIGTERM met requests in flight
+    assert [r.status_code for r in results] == [200] * 4, output[-3000:]
+    for response in results:
+        obj = response.json()["objects"][0]
+        assert obj["key"].startswith("hsx/default/")
+        path = tmp_path / "var/objects" / obj["key"]
+        assert path.stat().st_size == obj["bytes"]
+        assert list(load_file(path)["hidden_states"].shape) == obj["shape"]
+
+
+def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
+    import psutil
+
+    port = free_port()
+    env = {
+        **os.environ,
+        "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
+        "HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        assert httpx.get(f"{url}/health").status_code == 200
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                child.kill()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health never noticed the dead engine"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/ready").status_code == 503
+        response = httpx.post(
+            f"{url}/extract", json={"prompts": [{"token_ids": [1, 2]}]}, timeout=30
+        )
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] in ("unavailable", "engine_unavailable")
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_signal_marks_the_app_draining_before_uvicorn_stops() -> None:
+    import uvicorn
+
+    seen: list[bool] = []
+    server = DrainingServer(uvicorn.Config(app=None), on_exit=lambda: seen.append(True))
+    server.handle_exit(signal.SIGTERM, None)
+    assert seen == [True]
+    assert server.should_exit
