@@ -8,9 +8,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import boto3
-from moto.server import ThreadedMotoServer
-
 from service.config import S3StorageSettings, StorageSettings
 from service.storage import open_storage
 from service.storage.keys import new_object_key
@@ -68,6 +65,11 @@ async def _local(scratch: Path, timer: Timer) -> Row:
 
 
 async def _s3(timer: Timer) -> Row:
+    # Imported here: vLLM's spawned workers re-import the benchmark's main module, and
+    # moto's flask globals break vLLM's kernel registry scan (werkzeug LocalProxy).
+    import boto3
+    from moto.server import ThreadedMotoServer
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

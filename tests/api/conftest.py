@@ -69,6 +69,9 @@ class ServerThread:
 
         app = create_app(settings, extractor=self.extractor, keys=keys or ApiKeys([]))
         sock = socket.socket()
+        # Accepted sockets inherit it; without it each response waited ~40 ms on
+        # Nagle + delayed ACK (uvicorn's own sockets get it from asyncio).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(("127.0.0.1", 0))
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)

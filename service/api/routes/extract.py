@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -46,15 +47,7 @@ async def extract(
     """Extract the hidden states of every prompt; one object per prompt."""
     check_request_limits(body, state.settings.limits)
     ensure_serving(state)
-    extractor = state.extractor
-    token_ids = await run_in_threadpool(
-        tokenize_all,
-        body,
-        extractor.tokenizer,
-        vocab_size=extractor.info.vocab_size,
-        max_model_len=extractor.max_model_len,
-        limits=state.settings.limits,
-    )
+    token_ids = await prompt_token_ids(state, body)
     if not state.admission.try_admit(len(token_ids)):
         raise ApiError(
             429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
@@ -65,6 +58,22 @@ async def extract(
     finally:
         state.admission.release(len(token_ids))
     return respond(state, outcomes)
+
+
+async def prompt_token_ids(state: ApiState, body: ExtractRequest) -> list[list[int]]:
+    """Every prompt's token ids, checked against the limits (ApiError otherwise)."""
+    extractor = state.extractor
+    tokenize = partial(
+        tokenize_all,
+        body,
+        extractor.tokenizer,
+        vocab_size=extractor.info.vocab_size,
+        max_model_len=extractor.max_model_len,
+        limits=state.settings.limits,
+    )
+    if any(isinstance(p, str) or p.token_ids is None for p in body.prompts):
+        return await run_in_threadpool(tokenize)  # the tokenizer, off the event loop
+    return tokenize()  # token ids only need checking: cheaper than a thread hop
 
 
 def ensure_serving(state: ApiState) -> None:

@@ -42,10 +42,7 @@ async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Resp
     """Stream an object (local disk) or redirect to a presigned URL (S3)."""
     owned(state, key, namespace)
     backend = unwrap(state.storage)
-    try:
-        await backend.head(key)
-    except NotFoundError:
-        raise not_found(key) from None
+    await ensure_exists(backend, key)
     if hasattr(backend, "path_for"):
         return FileResponse(
             backend.path_for(key), media_type=SAFETENSORS, filename=key.rsplit("/", 1)[-1]
@@ -59,10 +56,7 @@ async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Resp
 async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
     """Remove one object."""
     owned(state, key, namespace)
-    try:
-        await state.storage.head(key)
-    except NotFoundError:
-        raise not_found(key) from None
+    await ensure_exists(unwrap(state.storage), key)
     await state.storage.delete(key)
     return Response(status_code=204)
 
@@ -70,6 +64,18 @@ async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> R
 def owned(state: ApiState, key: str, namespace: str) -> None:
     if namespace_of(key, state.settings.storage.key_prefix) != namespace:
         raise not_found(key)
+
+
+async def ensure_exists(backend: Storage, key: str) -> None:
+    """404 unless the object exists (local: a stat, not head's full-file checksum)."""
+    if hasattr(backend, "path_for"):
+        if not backend.path_for(key).is_file():
+            raise not_found(key)
+        return
+    try:
+        await backend.head(key)
+    except NotFoundError:
+        raise not_found(key) from None
 
 
 def not_found(key: str) -> ApiError:
