@@ -43,6 +43,9 @@ class ServerSettings(BaseModel):
     shutdown_grace_s: float = Field(
         30.0, gt=0, description="Seconds that requests in flight get to finish on SIGTERM."
     )
+    metrics_interval_s: float = Field(
+        15.0, gt=0, description="Seconds between samples of the workers' memory."
+    )
 
     @field_validator("host")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -15,10 +16,14 @@ from service.api.auth import ApiKeys
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.deps import caller_namespace
 from service.api.errors import install_error_handlers
+from service.api.metrics import ExtractMetrics, build_info
 from service.api.routes import extract, meta, objects
 from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
+from service.metrics import StorageMetrics
+from service.storage import scheme_of
+from service.storage.instrumented import InstrumentedStorage
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,7 @@ def create_app(
     """
     if keys is None:
         keys = ApiKeys.load(settings.server.api_keys_file, _inline_keys(settings))
-    state = ApiState(settings=settings, keys=keys, registry=CollectorRegistry())
-    state.admission = Admission(settings.limits.max_queued_prompts)
+    state = new_state(settings, keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -58,11 +62,13 @@ def create_app(
         state.extractor = extractor or await Extractor.start(
             settings, storage_factory=storage_factory
         )
-        state.probe = StorageProbe(state.storage)
+        await attach_engine(state)
+        refresher = asyncio.create_task(refresh_memory(state), name="hsx-memory")
         try:
             yield
         finally:
             state.draining = True
+            refresher.cancel()
             if owned:
                 await state.extractor.close()  # drains the writer: every object lands
 
@@ -88,6 +94,45 @@ def create_app(
     app.include_router(objects.router, **protected)
     app.openapi_schema = None
     return app
+
+
+def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
+    """The app's state before the engine is attached: keys, limits, metrics."""
+    state = ApiState(settings=settings, keys=keys, registry=CollectorRegistry())
+    state.admission = Admission(settings.limits.max_queued_prompts)
+    state.storage_metrics = StorageMetrics(state.registry)
+    state.metrics = ExtractMetrics(
+        state.registry, scheme_of(settings.storage.url), state.storage_metrics
+    )
+    state.metrics.bytes_limit.set(settings.limits.max_bytes_in_flight)
+    state.metrics.prompts_in_flight.set_function(lambda: state.admission.queued)
+    state.registry.register(state.engine_metrics)
+    return state
+
+
+async def attach_engine(state: ApiState) -> None:
+    """Wire a started extractor in: storage metrics, the probe, layout, build info."""
+    import vllm
+
+    extractor = state.extractor
+    assert state.storage_metrics is not None
+    storage = InstrumentedStorage(extractor.storage, state.storage_metrics)
+    state.storage, state.probe = storage, StorageProbe(storage)
+    build_info(state.registry, service.__version__, str(vllm.__version__), extractor.info.name)
+    try:
+        state.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]
+    except Exception:  # a user-supplied worker extension replaces ours: no layout
+        log.warning("hsx: KV-cache layout unavailable", exc_info=True)
+
+
+async def refresh_memory(state: ApiState) -> None:
+    """Sample the workers' memory every ``server.metrics_interval_s``."""
+    while True:
+        try:
+            state.engine_metrics.memory = await state.extractor.on_workers("hsx_memory")
+        except Exception:  # the engine may be dead or busy; /health reports that
+            log.debug("hsx: memory sample failed", exc_info=True)
+        await asyncio.sleep(state.settings.server.metrics_interval_s)
 
 
 def _inline_keys(settings: Settings) -> str | None:

@@ -59,18 +59,26 @@ def _field_and_index(loc: tuple[Any, ...]) -> tuple[str | None, int | None]:
     return field or None, index
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+def _count_rejection(request: Request, kind: str) -> None:
+    """Refusals of /extract that happen before its handler runs (parsing, body size, auth)."""
+    metrics = getattr(getattr(request.app.state, "hsx", None), "metrics", None)
+    if metrics is not None and request.url.path == "/extract":
+        metrics.rejected(kind)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     first = _best_error(exc.errors())
     field, index = _field_and_index(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = f"{field}: " if field else ""
+    _count_rejection(request, "invalid_request")
     return ApiError(
         422, "invalid_request", f"{where}{message}", field=field, index=index
     ).response()
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = {
         401: "unauthorized",
@@ -80,11 +88,15 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     }.get(exc.status_code, "http_error")
     headers = dict(exc.headers or {})
     field = "body" if exc.status_code == 413 else None
+    if exc.status_code < 500:
+        _count_rejection(request, kind)
     return ApiError(exc.status_code, kind, str(exc.detail), headers=headers, field=field).response()
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
+    if exc.status == 401:  # raised by the auth dependency, before the handler
+        _count_rejection(request, "unauthorized")
     return exc.response()
 
 

@@ -10,7 +10,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from service.api.auth import ApiKeys
+from service.api.metrics import EngineCollector, ExtractMetrics
 from service.config import Settings
+from service.metrics import StorageMetrics
 from service.storage import Storage, scheme_of
 
 
@@ -68,11 +70,11 @@ class ApiState:
     draining: bool = False
     admission: Admission = field(default_factory=lambda: Admission(0))
     probe: StorageProbe | None = None
-
-    @property
-    def storage(self) -> Storage:
-        storage: Storage = self.extractor.storage
-        return storage
+    metrics: ExtractMetrics | None = None
+    storage_metrics: StorageMetrics | None = None
+    engine_metrics: EngineCollector = field(default_factory=EngineCollector)
+    #: The extractor's storage behind the metrics wrapper (reads and deletes).
+    storage: Storage | None = None
 
     @property
     def backend(self) -> str:

@@ -110,8 +110,12 @@ def engine_args(
             kv_role="kv_producer",
             kv_connector_extra_config=extra,
         ),
-        **engine.extra_args,
+        **{"worker_extension_cls": WORKER_EXTENSION, **engine.extra_args},
     )
+
+
+#: Adds hsx's introspection methods to vLLM's worker (see service.engine.introspect).
+WORKER_EXTENSION = "service.engine.introspect.HsxWorkerExtension"
 
 
 def _on_cpu() -> bool:

@@ -55,6 +55,9 @@ class Extraction:
     shape: tuple[int, ...]
     prompt_tokens: int
     output_token_ids: tuple[int, ...]
+    copy_s: float = 0.0  # copy-out from the KV cache to host memory
+    write_s: float = 0.0  # serialise and write to storage
+    bytes_in_flight: int = 0  # the writer's in-flight bytes right after this copy-out
 
 
 class Extractor:
@@ -89,6 +92,10 @@ class Extractor:
     def tokenizer(self) -> Any:
         """The served model's tokenizer (Hugging Face interface)."""
         return self.engine.tokenizer
+
+    async def on_workers(self, method: str) -> list[Any]:
+        """Call a ``HsxWorkerExtension`` method in every worker; one result per TP rank."""
+        return list(await self.engine.collective_rpc(method, timeout=30))
 
     @property
     def alive(self) -> bool:
@@ -238,4 +245,7 @@ def _extraction(completion: Completion, output: Any) -> Extraction:
         shape=completion.shape,
         prompt_tokens=len(output.prompt_token_ids or ()),
         output_token_ids=generated,
+        copy_s=completion.copy_s,
+        write_s=completion.write_s,
+        bytes_in_flight=completion.bytes_in_flight,
     )

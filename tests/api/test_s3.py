@@ -62,3 +62,16 @@ def test_hybrid_on_s3_over_http(s3_engine: ServerThread, s3_admin: Any) -> None:
         assert client.delete(f"/objects/{key}", headers=AUTH_A).status_code == 204
         listed = s3_admin.list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{key}")
         assert listed.get("KeyCount", 0) == 0
+
+
+def test_hybrid_layout_matches_the_engine(s3_engine: ServerThread) -> None:
+    from tests.api.test_metrics import assert_layout_matches, scrape
+
+    url = s3_engine.serve()
+    assert_layout_matches(url, s3_engine)
+    kinds = sorted(
+        dict(labels)["kind"]
+        for (name, labels), _ in scrape(url).items()
+        if name == "hsx_kv_cache_group_info"
+    )
+    assert kinds == ["full_attention", "hidden_state", "mamba", "mamba"]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import time
 import uuid
 from collections.abc import Awaitable
 from functools import partial
@@ -28,6 +31,7 @@ from service.api.state import ApiState
 
 router = APIRouter()
 T = TypeVar("T")
+access_log = logging.getLogger("hsx.requests")
 
 RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or invalid API key"},
@@ -45,19 +49,72 @@ async def extract(
     body: ExtractRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> ExtractResponse:
     """Extract the hidden states of every prompt; one object per prompt."""
-    check_request_limits(body, state.settings.limits)
-    ensure_serving(state)
-    token_ids = await prompt_token_ids(state, body)
-    if not state.admission.try_admit(len(token_ids)):
-        raise ApiError(
-            429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
-        )
+    assert state.metrics is not None
+    token_ids = await admit(state, body)
+    started = time.monotonic()
     try:
         work = run_prompts(state, body, token_ids, namespace)
         outcomes = await guard(request, work, state.settings.limits.request_timeout_s)
+    except ApiError as error:  # disconnected or past the deadline: the work was aborted
+        reason = "disconnect" if error.status == 499 else "deadline"
+        state.metrics.aborted(reason, time.monotonic() - started)
+        raise
     finally:
         state.admission.release(len(token_ids))
+    elapsed = time.monotonic() - started
+    state.metrics.record(outcome_of(outcomes), outcomes, elapsed)
+    if state.settings.log_json:
+        log_request(namespace, outcomes, elapsed)
     return respond(state, outcomes)
+
+
+async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
+    """Checks before the engine: limits, serving state, token ids, queue room."""
+    assert state.metrics is not None
+    try:
+        check_request_limits(body, state.settings.limits)
+        ensure_serving(state)
+        token_ids: list[list[int]] = await prompt_token_ids(state, body)
+        if not state.admission.try_admit(len(token_ids)):
+            raise ApiError(
+                429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
+            )
+    except ApiError as error:
+        state.metrics.rejected(error.detail.type)
+        raise
+    return token_ids
+
+
+def outcome_of(outcomes: list[Any]) -> str:
+    """The request's outcome label: ok, or the worst failure among its prompts."""
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    return "ok" if not errors else _partial_failure(outcomes, errors).detail.type
+
+
+def log_request(namespace: str, outcomes: list[Any], elapsed: float) -> None:
+    """One JSON line per request: what a log search needs, never a secret."""
+    objects = [
+        {
+            "key": o.key,
+            "bytes": o.size,
+            "tokens": o.num_tokens,
+            "copy_s": round(o.copy_s, 6),
+            "write_s": round(o.write_s, 6),
+        }
+        if not isinstance(o, BaseException)
+        else {"error": type(o).__name__}
+        for o in outcomes
+    ]
+    access_log.info(
+        json.dumps(
+            {
+                "event": "extract",
+                "namespace": namespace,
+                "duration_s": round(elapsed, 6),
+                "objects": objects,
+            }
+        )
+    )
 
 
 async def prompt_token_ids(state: ApiState, body: ExtractRequest) -> list[list[int]]:

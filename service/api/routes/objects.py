@@ -41,6 +41,7 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
 async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
     """Stream an object (local disk) or redirect to a presigned URL (S3)."""
     owned(state, key, namespace)
+    assert state.storage is not None
     backend = unwrap(state.storage)
     await ensure_exists(backend, key)
     if hasattr(backend, "path_for"):
@@ -56,6 +57,7 @@ async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Resp
 async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
     """Remove one object."""
     owned(state, key, namespace)
+    assert state.storage is not None
     await ensure_exists(unwrap(state.storage), key)
     await state.storage.delete(key)
     return Response(status_code=204)

@@ -1,0 +1,235 @@
+"""hsx's own metrics of the API process: extraction, rejections, engine layout, memory.
+
+Built per app on the app's registry (``/metrics`` also serves the process default
+registry, where vLLM keeps its ``vllm:*`` metrics). Names follow Prometheus practice:
+base units in the name, ``_total`` counters, small fixed label sets; never a key, a
+namespace or a request id as a label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.engine.extractor import StorageWriteError
+from service.metrics import StorageMetrics
+
+# A request spans milliseconds (one short prompt) to minutes (a full batch).
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Copy-out and write of one object.
+OBJECT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+#: The outcomes of one /extract request (the ``outcome`` label).
+OUTCOMES = (
+    "ok",
+    "rejected",
+    "storage_error",
+    "engine_unavailable",
+    "timeout",
+    "disconnected",
+    "invalid",
+    "error",
+)
+
+
+#: Error types of requests refused before the engine (the ``reason`` label).
+REJECTIONS = (
+    "invalid_request",
+    "limit_exceeded",
+    "payload_too_large",
+    "unauthorized",
+    "overloaded",
+    "unavailable",
+)
+
+
+class ExtractMetrics:
+    """Counters and histograms of ``POST /extract``."""
+
+    def __init__(self, registry: CollectorRegistry, backend: str, storage: StorageMetrics) -> None:
+        self.backend, self._storage_errors = backend, storage.errors
+        self.requests = Counter(
+            "hsx_extract_requests", "Extract requests by outcome.", ["outcome"], registry=registry
+        )
+        self.prompts = Counter(
+            "hsx_extract_prompts",
+            "Prompts by outcome (ok: written).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "hsx_extract_tokens", "Tokens whose hidden states were stored.", registry=registry
+        )
+        self.bytes = Counter(
+            "hsx_extract_written_bytes", "Bytes of objects written.", ["backend"], registry=registry
+        )
+        self.duration = Histogram(
+            "hsx_extract_duration_seconds",
+            "End-to-end time of extract requests that reached the engine.",
+            buckets=REQUEST_BUCKETS,
+            registry=registry,
+        )
+        self.copy = Histogram(
+            "hsx_extract_copy_duration_seconds",
+            "Copy-out of one object's states from the KV cache.",
+            buckets=OBJECT_BUCKETS,
+            registry=registry,
+        )
+        self.write = Histogram(
+            "hsx_extract_write_duration_seconds",
+            "Serialising and writing one object.",
+            buckets=OBJECT_BUCKETS,
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "hsx_extract_rejections",
+            "Requests refused before the engine, by error type.",
+            ["reason"],
+            registry=registry,
+        )
+        self.aborts = Counter(
+            "hsx_extract_aborts",
+            "Requests whose engine work was aborted.",
+            ["reason"],
+            registry=registry,
+        )
+        self.bytes_in_flight = Gauge(
+            "hsx_writer_bytes_in_flight_bytes",
+            "Bytes copied out but not yet durable, as last reported.",
+            registry=registry,
+        )
+        self.bytes_limit = Gauge(
+            "hsx_writer_bytes_in_flight_limit_bytes",
+            "The ceiling on bytes in flight.",
+            registry=registry,
+        )
+        self.prompts_in_flight = Gauge(
+            "hsx_extract_prompts_in_flight",
+            "Prompts admitted and not yet finished.",
+            registry=registry,
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # every series exists from the start: rate() works
+        for outcome in ("ok", "failed"):
+            self.prompts.labels(outcome)
+        self.bytes.labels(backend)
+        for reason in ("disconnect", "deadline"):
+            self.aborts.labels(reason)
+        for reason in REJECTIONS:
+            self.rejections.labels(reason)
+        # Worker-side write failures are counted here (the worker has no /metrics).
+        storage.errors.labels(backend, "put", "write")
+        for operation in ("put", "get", "head", "delete", "ping"):
+            storage.duration.labels(backend, operation)
+
+    def rejected(self, reason: str) -> None:
+        """A request refused before it reached the engine (``reason``: the error type)."""
+        self.rejections.labels(reason).inc()
+        self.requests.labels("rejected").inc()
+
+    def aborted(self, reason: str, duration_s: float) -> None:
+        """Engine work abandoned: ``disconnect`` or ``deadline``."""
+        self.aborts.labels(reason).inc()
+        self.requests.labels("disconnected" if reason == "disconnect" else "timeout").inc()
+        self.duration.observe(duration_s)
+
+    def record(self, outcome: str, outcomes: list[Any], duration_s: float) -> None:
+        """One request that reached the engine: its outcome and every prompt's."""
+        self.requests.labels(outcome).inc()
+        self.duration.observe(duration_s)
+        for item in outcomes:
+            if isinstance(item, BaseException):
+                self.prompts.labels("failed").inc()
+                if isinstance(item, StorageWriteError):  # the worker's write failed
+                    self._storage_errors.labels(self.backend, "put", "write").inc()
+                continue
+            self.prompts.labels("ok").inc()
+            self.tokens.inc(item.num_tokens)
+            self.bytes.labels(self.backend).inc(item.size)
+            self.copy.observe(item.copy_s)
+            self.write.observe(item.write_s)
+            self.bytes_in_flight.set(item.bytes_in_flight)
+
+
+class EngineCollector(Collector):
+    """KV-cache layout and worker memory, from snapshots the app refreshes."""
+
+    def __init__(self) -> None:
+        self.layout: dict[str, Any] | None = None
+        self.memory: list[dict[str, Any]] = []
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._layout()
+        yield from self._memory()
+
+    def _layout(self) -> Iterable[Metric]:
+        layout = self.layout
+        if layout is None:
+            return
+        groups = layout["groups"]
+        yield _gauge("hsx_kv_cache_groups", "KV-cache groups of the engine.", len(groups))
+        yield _gauge(
+            "hsx_kv_cache_blocks", "KV-cache blocks (shared by all groups).", layout["num_blocks"]
+        )
+        yield _gauge(
+            "hsx_kv_cache_memory_bytes", "KV-cache memory allocated.", layout["memory_bytes"]
+        )
+        yield _gauge(
+            "hsx_kv_cache_hidden_state_memory_bytes",
+            "KV-cache memory addressed by the hidden-state layer.",
+            layout["hidden_state_memory_bytes"],
+        )
+        info = InfoMetricFamily(
+            "hsx_kv_cache_group",
+            "One KV-cache group.",
+            labels=["group", "kind", "block_size", "layers"],
+        )
+        page = GaugeMetricFamily(
+            "hsx_kv_cache_group_page_size_bytes",
+            "Bytes of one block of the group (all its layers).",
+            labels=["group"],
+        )
+        memory = GaugeMetricFamily(
+            "hsx_kv_cache_group_memory_bytes",
+            "KV-cache bytes the group's layers address.",
+            labels=["group"],
+        )
+        for g in groups:
+            index = str(g["index"])
+            info.add_metric([index, g["kind"], str(g["block_size"]), str(g["layers"])], {})
+            page.add_metric([index], g["page_size_bytes"])
+            memory.add_metric([index], g["memory_bytes"])
+        yield from (info, page, memory)
+
+    def _memory(self) -> Iterable[Metric]:
+        fields = {
+            "total_bytes": "Device memory (CPU: host memory).",
+            "free_bytes": "Free device memory (CPU: available host memory).",
+            "used_bytes": "Used device memory (total minus free).",
+            "kv_cache_bytes": "KV-cache memory of the worker.",
+            "model_weights_bytes": "Model weights of the worker.",
+        }
+        for field, text in fields.items():
+            family = GaugeMetricFamily(f"hsx_memory_{field}", text, labels=["device"])
+            for worker in self.memory:
+                family.add_metric([worker["device"]], worker[field])
+            yield family
+
+
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, value=value)
+
+
+def build_info(registry: CollectorRegistry, version: str, vllm_version: str, model: str) -> None:
+    """``hsx_build_info{version, vllm_version, model} 1``."""
+    gauge = Gauge(
+        "hsx_build_info",
+        "hsx build and the served model.",
+        ["version", "vllm_version", "model"],
+        registry=registry,
+    )
+    gauge.labels(version, vllm_version, model).set(1)
