@@ -117,7 +117,13 @@ async def _throughput(extractor: Any, url: str, timer: Timer, scratch: Path) -> 
         inproc_t += await timer(in_process, 2)
         http_t += await _http(url, bodies, 2, scratch)
     i, h = statistics.median(inproc_t), statistics.median(http_t)
-    return Row("HTTP vs in-process, 32 prompts (ratio: HTTP throughput / in-process)", _ms(h), _ms(i), i / h, ">= 0.95")
+    return Row(
+        "HTTP vs in-process, 32 prompts (ratio: HTTP throughput / in-process)",
+        _ms(h),
+        _ms(i),
+        i / h,
+        ">= 0.95",
+    )
 
 
 async def _latency(extractor: Any, url: str, timer: Timer, scratch: Path) -> Row:
