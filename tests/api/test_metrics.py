@@ -15,7 +15,9 @@ from tests.api.conftest import AUTH_A, AUTH_FLAKY, ServerThread
 from tests.engine.conftest import random_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-DASHBOARDS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "grafana").glob("*.json"))
+DASHBOARDS = sorted(
+    (Path(__file__).resolve().parents[2] / "deploy/helm/hsx/dashboards").glob("*.json")
+)
 KINDS = {
     "FullAttentionSpec": "full_attention",
     "SlidingWindowSpec": "sliding_window",
