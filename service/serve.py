@@ -48,6 +48,7 @@ def serve(settings: Settings) -> int:
     """Run the service until SIGINT/SIGTERM; 0 after a clean drain."""
     from service.api.app import create_app
 
+    configure_logging(settings)
     settings = with_demo_model(settings)
     app = create_app(settings)
     config = uvicorn.Config(
@@ -65,6 +66,19 @@ def serve(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, _already_drained)
     server.run()
     return 0 if server.started else 1
+
+
+def configure_logging(settings: Settings) -> None:
+    """hsx's own logs at INFO; with ``log_json`` the request log is bare JSON lines."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if settings.log_json:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        requests = logging.getLogger("hsx.requests")
+        requests.addHandler(handler)
+        requests.propagate = False
 
 
 def _already_drained(signum: int, frame: FrameType | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from safetensors.torch import load_file
 from service.serve import DrainingServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
+KEY = "serve-test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def free_port() -> int:
@@ -49,6 +52,8 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
         "HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "1",
         "HSX_ENGINE__MAX_NUM_BATCHED_TOKENS": "64",
         "HSX_SERVER__SHUTDOWN_GRACE_S": "60",
+        "HSX_SERVER__API_KEYS": f"team-x:{KEY}",
+        "HSX_LOG_JSON": "true",
     }
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
@@ -66,7 +71,7 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
 
         def extract() -> None:
             body = {"prompts": [{"token_ids": list(range(3, 103))}], "max_tokens": 40}
-            results.append(httpx.post(f"{url}/extract", json=body, timeout=120))
+            results.append(httpx.post(f"{url}/extract", json=body, timeout=120, headers=AUTH))
 
         threads = [threading.Thread(target=extract) for _ in range(4)]
         for thread in threads:
@@ -81,12 +86,19 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
             proc.kill()
         log.close()
     output = (tmp_path / "serve.log").read_text()
-    assert "no API keys configured" in output
     assert "Waiting for connections to close" in output  # SIGTERM met requests in flight
+    # One JSON line per request, with keys and timings, and never the API key.
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith('{"event"')]
+    assert len(lines) == 4
+    assert all(line["namespace"] == "team-x" for line in lines)
+    assert {line["objects"][0]["key"] for line in lines} == {
+        r.json()["objects"][0]["key"] for r in results
+    }
+    assert KEY not in output
     assert [r.status_code for r in results] == [200] * 4, output[-3000:]
     for response in results:
         obj = response.json()["objects"][0]
-        assert obj["key"].startswith("hsx/default/")
+        assert obj["key"].startswith("hsx/team-x/")
         path = tmp_path / "var/objects" / obj["key"]
         assert path.stat().st_size == obj["bytes"]
         assert list(load_file(path)["hidden_states"].shape) == obj["shape"]
@@ -101,12 +113,13 @@ def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
         "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
         "HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "1",
     }
+    log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "serve", "--port", str(port)],
         cwd=tmp_path,
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -128,6 +141,8 @@ def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(30)
+        log.close()
+    assert "no API keys configured" in (tmp_path / "serve.log").read_text()
 
 
 def test_signal_marks_the_app_draining_before_uvicorn_stops() -> None:
