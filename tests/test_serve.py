@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,18 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 180) ->
     raise AssertionError("hsx serve did not become ready")
 
 
+def wait_in_flight(url: str, prompts: int, limit_s: float = 30) -> None:
+    """Until the server has admitted ``prompts`` prompts that have not finished."""
+    deadline = time.monotonic() + limit_s
+    pattern = re.compile(r"^hsx_extract_prompts_in_flight (\S+)$", re.MULTILINE)
+    while time.monotonic() < deadline:
+        found = pattern.search(httpx.get(f"{url}/metrics", timeout=5).text)
+        if found and float(found.group(1)) >= prompts:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the requests never got in flight")
+
+
 def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
     port = free_port()
     env = {
@@ -70,13 +83,14 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
         results: list[Any] = []
 
         def extract() -> None:
-            body = {"prompts": [{"token_ids": list(range(3, 103))}], "max_tokens": 40}
+            # 200 generated tokens: seconds of work, so SIGTERM surely meets it.
+            body = {"prompts": [{"token_ids": list(range(3, 103))}], "max_tokens": 200}
             results.append(httpx.post(f"{url}/extract", json=body, timeout=120, headers=AUTH))
 
         threads = [threading.Thread(target=extract) for _ in range(4)]
         for thread in threads:
             thread.start()
-        time.sleep(0.5)  # requests are in flight
+        wait_in_flight(url, 4)
         proc.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(120)

@@ -59,7 +59,7 @@ def test_client_disconnect_aborts_engine_requests(
     prompts = random_prompts([200] * 4, seed=32)
     # Long generations: left alone they would run for many seconds.
     body = {"prompts": [{"token_ids": p} for p in prompts], "max_tokens": 64}
-    timeout = httpx.Timeout(30, read=0.5)
+    timeout = httpx.Timeout(30, read=0.2)
     with (
         httpx.Client(base_url=local_url, timeout=timeout) as short,
         pytest.raises(httpx.ReadTimeout),
