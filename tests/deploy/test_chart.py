@@ -141,20 +141,36 @@ def test_chart_metadata() -> None:
     assert (CHART / "templates" / "NOTES.txt").is_file()
 
 
-HELM = shutil.which("helm")
+# `make install` puts one in the venv when npm is available.
+HELM = shutil.which("helm") or next(
+    (str(p) for p in [ROOT / ".venv" / "bin" / "helm"] if p.is_file()), None
+)
 
 
-@pytest.mark.skipif(HELM is None, reason="no helm binary on PATH; schema and path checks ran")
+@pytest.mark.skipif(HELM is None, reason="no helm binary (PATH or .venv); schema checks ran")
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_helm_lint_and_template(example: Path) -> None:
     assert HELM is not None
     subprocess.run([HELM, "lint", str(CHART), "-f", str(example)], check=True)
-    out = subprocess.run(
-        [HELM, "template", "hsx", str(CHART), "-f", str(example)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    # An explicit cluster version: the chart needs >= 1.29 (native preStop sleep).
+    command = [HELM, "template", "hsx", str(CHART), "-f", str(example), "--kube-version", "1.30.0"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     documents = [d for d in yaml.safe_load_all(out) if d]
     kinds = {d["kind"] for d in documents}
     assert {"Deployment", "Service", "PodDisruptionBudget"} <= kinds
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    values = merged(load(CHART / "values.yaml"), load(example))
+    assert env["HSX_ENGINE__TENSOR_PARALLEL_SIZE"] == str(values["engine"]["tensorParallelSize"])
+    gpus = values["gpu"]["count"]
+    resources = container["resources"]
+    assert (
+        resources["limits"].get("nvidia.com/gpu")
+        == resources["requests"].get("nvidia.com/gpu")
+        == (gpus or None)
+    )
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"  # /dev/shm
