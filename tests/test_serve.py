@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,29 +58,44 @@ def wait_in_flight(url: str, prompts: int, limit_s: float = 30) -> None:
     raise AssertionError("the requests never got in flight")
 
 
-def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def serving(cwd: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``python -m service serve`` in ``cwd`` (no model: the demo), until ready; killed
+    on the way out if still running. Its output goes to ``cwd/serve.log``."""
     port = free_port()
     env = {
         **os.environ,
-        # Small and exact, as the engine tests run it; no model: the demo is made.
+        # Small and exact, as the engine tests run it.
         "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
         "HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "1",
+        **env,
+    }
+    with (cwd / "serve.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--port", str(port)],
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, proc)
+            yield proc, url
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
+    env = {
         "HSX_ENGINE__MAX_NUM_BATCHED_TOKENS": "64",
         "HSX_SERVER__SHUTDOWN_GRACE_S": "60",
         "HSX_SERVER__API_KEYS": f"team-x:{KEY}",
         "HSX_LOG_JSON": "true",
     }
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--port", str(port)],
-        cwd=tmp_path,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    with serving(tmp_path, env) as (proc, url):
         assert (tmp_path / "var/models/tiny-llama/config.json").is_file()
         results: list[Any] = []
 
@@ -95,10 +112,6 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
         for thread in threads:
             thread.join(120)
         assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
     output = (tmp_path / "serve.log").read_text()
     assert "Waiting for connections to close" in output  # SIGTERM met requests in flight
     # One JSON line per request, with keys and timings, and never the API key.
@@ -121,23 +134,7 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
 def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
     import psutil
 
-    port = free_port()
-    env = {
-        **os.environ,
-        "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
-        "HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "1",
-    }
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--port", str(port)],
-        cwd=tmp_path,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    with serving(tmp_path, {}) as (proc, url):
         assert httpx.get(f"{url}/health").status_code == 200
         for child in psutil.Process(proc.pid).children(recursive=True):
             if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
@@ -152,10 +149,6 @@ def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
         )
         assert response.status_code == 503
         assert response.json()["error"]["type"] in ("unavailable", "engine_unavailable")
-    finally:
-        proc.kill()
-        proc.wait(30)
-        log.close()
     assert "no API keys configured" in (tmp_path / "serve.log").read_text()
 
 

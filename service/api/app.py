@@ -22,7 +22,6 @@ from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
 from service.metrics import StorageMetrics
-from service.storage import scheme_of
 from service.storage.instrumented import InstrumentedStorage
 
 log = logging.getLogger(__name__)
@@ -92,18 +91,19 @@ def create_app(
     app.include_router(meta.private, **protected)
     app.include_router(extract.router, **protected)
     app.include_router(objects.router, **protected)
-    app.openapi_schema = None
     return app
 
 
 def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
     """The app's state before the engine is attached: keys, limits, metrics."""
-    state = ApiState(settings=settings, keys=keys, registry=CollectorRegistry())
-    state.admission = Admission(settings.limits.max_queued_prompts)
-    state.storage_metrics = StorageMetrics(state.registry)
-    state.metrics = ExtractMetrics(
-        state.registry, scheme_of(settings.storage.url), state.storage_metrics
+    state = ApiState(
+        settings=settings,
+        keys=keys,
+        registry=CollectorRegistry(),
+        admission=Admission(settings.limits.max_queued_prompts),
     )
+    state.storage_metrics = StorageMetrics(state.registry)
+    state.metrics = ExtractMetrics(state.registry, state.backend, state.storage_metrics)
     state.metrics.bytes_limit.set(settings.limits.max_bytes_in_flight)
     state.metrics.prompts_in_flight.set_function(lambda: state.admission.queued)
     state.registry.register(state.engine_metrics)

@@ -58,9 +58,9 @@ def _token_ids(
     prompt: str | PromptObject, tokenizer: Any, vocab_size: int, index: int
 ) -> list[int]:
     if isinstance(prompt, str):
-        ids = _encode(tokenizer, prompt, index, "text")
+        ids = _encode(tokenizer, prompt, index)
     elif prompt.text is not None:
-        ids = _encode(tokenizer, prompt.text, index, "text")
+        ids = _encode(tokenizer, prompt.text, index)
     elif prompt.messages is not None:
         ids = _render(tokenizer, prompt.messages, index)
     else:
@@ -86,7 +86,7 @@ def _token_ids(
     return ids
 
 
-def _encode(tokenizer: Any, text: str, index: int, name: str) -> list[int]:
+def _encode(tokenizer: Any, text: str, index: int) -> list[int]:
     if tokenizer is None:
         raise ApiError(
             422,

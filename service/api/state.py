@@ -66,9 +66,9 @@ class ApiState:
     settings: Settings
     keys: ApiKeys
     registry: CollectorRegistry
+    admission: Admission
     extractor: Any = None  # service.engine.extractor.Extractor once started
     draining: bool = False
-    admission: Admission = field(default_factory=lambda: Admission(0))
     probe: StorageProbe | None = None
     metrics: ExtractMetrics | None = None
     storage_metrics: StorageMetrics | None = None

@@ -35,6 +35,7 @@ def step(
     weight: torch.Tensor,
     bias: torch.Tensor,
     lengths: list[int],
+    lines: tuple[int, int] = (1, 2),
 ) -> torch.Tensor:
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return causal_conv1d_update_spec(
@@ -43,7 +44,7 @@ def step(
         weight,
         bias,
         "silu",
-        conv_state_indices=torch.tensor([[1, 2]], dtype=torch.int32),
+        conv_state_indices=torch.tensor([lines], dtype=torch.int32),
         num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32),
         query_start_loc=starts,
         null_block_id=0,
@@ -74,17 +75,7 @@ def test_padding_rows_are_skipped(parts: tuple[torch.Tensor, ...]) -> None:
     weight, bias, tokens, store = parts
     state = store.transpose(-1, -2)
     before = store.clone()
-    causal_conv1d_update_spec(
-        tokens[:, :1].transpose(0, 1).contiguous(),
-        state,
-        weight,
-        bias,
-        "silu",
-        conv_state_indices=torch.tensor([[0, 0]], dtype=torch.int32),
-        num_accepted_tokens=torch.tensor([1], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-        null_block_id=0,
-    )
+    step(state, tokens[:, :1], [1], weight, bias, [1], lines=(0, 0))  # 0: the null block
     assert torch.equal(store, before)
 
 

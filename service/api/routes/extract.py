@@ -28,6 +28,11 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import ApiState
+from service.engine.extractor import (
+    EngineUnavailableError,
+    InvalidPromptError,
+    StorageWriteError,
+)
 
 router = APIRouter()
 T = TypeVar("T")
@@ -88,7 +93,7 @@ async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
 def outcome_of(outcomes: list[Any]) -> str:
     """The request's outcome label: ok, or the worst failure among its prompts."""
     errors = [o for o in outcomes if isinstance(o, BaseException)]
-    return "ok" if not errors else _partial_failure(outcomes, errors).detail.type
+    return _request_failure(errors)[1] if errors else "ok"
 
 
 def log_request(namespace: str, outcomes: list[Any], elapsed: float) -> None:
@@ -226,20 +231,32 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
     )
 
 
-def _partial_failure(outcomes: list[Any], errors: list[BaseException]) -> ApiError:
-    from service.engine.extractor import (
-        EngineUnavailableError,
-        InvalidPromptError,
-        StorageWriteError,
-    )
+#: Per-prompt failures: exception, its error type, and the request status it implies.
+_FAILURES: tuple[tuple[type[BaseException], str], ...] = (
+    (EngineUnavailableError, "engine_unavailable"),
+    (StorageWriteError, "storage_error"),
+    (InvalidPromptError, "invalid_request"),
+)
 
-    status, kind = 500, "internal_error"
-    if any(isinstance(e, EngineUnavailableError) for e in errors):
-        status, kind = 503, "engine_unavailable"
-    elif any(isinstance(e, StorageWriteError) for e in errors):
-        status, kind = 502, "storage_error"
-    elif all(isinstance(e, InvalidPromptError) for e in errors):
-        status, kind = 422, "invalid_request"
+
+def _kind(error: BaseException) -> str:
+    return next((kind for cls, kind in _FAILURES if isinstance(error, cls)), "internal_error")
+
+
+def _request_failure(errors: list[BaseException]) -> tuple[int, str]:
+    """The status and type of a request some of whose prompts failed."""
+    kinds = {_kind(e) for e in errors}
+    if "engine_unavailable" in kinds:
+        return 503, "engine_unavailable"
+    if "storage_error" in kinds:
+        return 502, "storage_error"
+    if kinds == {"invalid_request"}:
+        return 422, "invalid_request"
+    return 500, "internal_error"
+
+
+def _partial_failure(outcomes: list[Any], errors: list[BaseException]) -> ApiError:
+    status, kind = _request_failure(errors)
     per_prompt = [_outcome(i, o) for i, o in enumerate(outcomes)]
     failed = [p.index for p in per_prompt if p.error is not None]
     message = f"{len(failed)} of {len(outcomes)} prompts failed (indices {failed[:20]})"
@@ -250,16 +267,5 @@ def _partial_failure(outcomes: list[Any], errors: list[BaseException]) -> ApiErr
 def _outcome(index: int, outcome: Any) -> PromptOutcome:
     if not isinstance(outcome, BaseException):
         return PromptOutcome(index=index, key=outcome.key)
-    from service.engine.extractor import (
-        EngineUnavailableError,
-        InvalidPromptError,
-        StorageWriteError,
-    )
-
-    kinds = {
-        StorageWriteError: "storage_error",
-        EngineUnavailableError: "engine_unavailable",
-        InvalidPromptError: "invalid_request",
-    }
-    kind = next((v for k, v in kinds.items() if isinstance(outcome, k)), "internal_error")
+    kind = _kind(outcome)
     return PromptOutcome(index=index, error=ErrorDetail(type=kind, message=str(outcome) or kind))
