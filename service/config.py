@@ -46,6 +46,34 @@ class ServerSettings(BaseModel):
     metrics_interval_s: float = Field(
         15.0, gt=0, description="Seconds between samples of the workers' memory."
     )
+    # Connection bounds (service/api/connections.py says which part enforces each).
+    max_connections: int = Field(
+        2048,
+        ge=1,
+        description="Open HTTP connections; past it a new connection gets a 503 and is "
+        "closed before anything is read. Keep it below the process's file-descriptor limit.",
+    )
+    max_header_bytes: int = Field(
+        32 * 1024,
+        ge=1024,
+        description="Request line plus headers, in bytes; past it 431 and the connection closes.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a connection gets to send a request's complete headers (from "
+        "connecting, or from its first byte); also the time a refused request's unread "
+        "body is discarded for. Then the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a request gets to send its whole body once the server reads "
+        "it; past it 408 and the connection closes.",
+    )
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, description="Seconds an idle keep-alive connection stays open between requests."
+    )
 
     @field_validator("host")
     @classmethod
@@ -122,6 +150,12 @@ class LocalStorageSettings(BaseModel):
     )
     fsync: bool = Field(
         True, description="fsync file and directory before answering. Off only for tests."
+    )
+    min_free_bytes: int = Field(
+        1024 * MIB,
+        ge=0,
+        description="Free space the storage root's file system must keep; below it "
+        "`/ready` answers 503 (new work would fail with ENOSPC).",
     )
 
 
@@ -218,7 +252,24 @@ class LimitsSettings(BaseModel):
         description="Prompts admitted but not yet finished; past it new requests get 429 "
         "with Retry-After.",
     )
-    request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request (504).")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of one request, tokenisation included (504)."
+    )
+    max_body_bytes_in_flight: int = Field(
+        64 * MIB,
+        ge=1024,
+        description="Request-body bytes being read at once, over all requests (a chunked "
+        "body counts as max_body_bytes); past it new bodies get 429 with Retry-After.",
+    )
+    tokenizer_threads: int = Field(
+        2, ge=1, le=64, description="Threads that tokenise text and chat prompts."
+    )
+
+    @model_validator(mode="after")
+    def _one_body_fits(self) -> LimitsSettings:
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError("limits.max_body_bytes_in_flight must be at least max_body_bytes")
+        return self
 
 
 class Settings(BaseSettings):

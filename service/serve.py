@@ -16,6 +16,7 @@ from types import FrameType
 
 import uvicorn
 
+from service.api.connections import uvicorn_options
 from service.config import Settings
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,13 @@ def serve(settings: Settings) -> int:
     configure_logging(settings)
     settings = with_demo_model(settings)
     app = create_app(settings)
+    raise_open_files_limit(settings.server.max_connections)
     config = uvicorn.Config(
         app,
         host=settings.server.host,
         port=settings.server.port,
-        timeout_graceful_shutdown=int(settings.server.shutdown_grace_s),
         log_level="info",
-        access_log=False,
+        **uvicorn_options(settings),  # connection bounds, no server header
     )
     server = DrainingServer(config, on_exit=lambda: setattr(app.state.hsx, "draining", True))
     # After its graceful shutdown uvicorn re-raises the signal to the handler that was
@@ -66,6 +67,24 @@ def serve(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, _already_drained)
     server.run()
     return 0 if server.started else 1
+
+
+def raise_open_files_limit(connections: int) -> None:
+    """Raise the soft descriptor limit toward the hard one so ``connections`` fit (the
+    engine needs some too); warn when even the hard limit is lower."""
+    import resource
+
+    wanted = connections + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        log.warning(
+            "hsx: open-file limit %d is below server.max_connections + 1024; lower "
+            "HSX_SERVER__MAX_CONNECTIONS or raise the limit",
+            target,
+        )
 
 
 def configure_logging(settings: Settings) -> None:

@@ -6,21 +6,26 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 import service
-from service.api.auth import ApiKeys
-from service.api.body_limit import BodyLimitMiddleware
+from service.api.access import AccessMiddleware
+from service.api.auth import ApiKeys, AuthMiddleware
+from service.api.body_limit import BodyBudget, BodyLimitMiddleware
 from service.api.deps import caller_namespace
 from service.api.errors import install_error_handlers
+from service.api.extractor import ExtractorLike
 from service.api.metrics import ExtractMetrics, build_info
-from service.api.routes import extract, meta, objects
+from service.api.prompts import max_token_bytes
+from service.api.routes import PUBLIC_PATHS, extract, meta, objects
 from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
+from service.engine.builder import served_model_name
 from service.metrics import StorageMetrics
 from service.storage.instrumented import InstrumentedStorage
 
@@ -38,7 +43,7 @@ shape, `{"error": {"type", "message", "field"?, "index"?}}`.
 def create_app(
     settings: Settings,
     *,
-    extractor: Any = None,
+    extractor: ExtractorLike | None = None,
     storage_factory: str | None = None,
     keys: ApiKeys | None = None,
 ) -> FastAPI:
@@ -53,14 +58,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        from service.engine.extractor import Extractor
-
         owned = extractor is None
         if not keys.enabled:
             log.warning("hsx: no API keys configured; every caller is namespace 'default'")
-        state.extractor = extractor or await Extractor.start(
-            settings, storage_factory=storage_factory
-        )
+        state.extractor = extractor or await _start_engine(settings, storage_factory)
         await attach_engine(state)
         refresher = asyncio.create_task(refresh_memory(state), name="hsx-memory")
         try:
@@ -68,6 +69,9 @@ def create_app(
         finally:
             state.draining = True
             refresher.cancel()
+            await settle(state)
+            if state.tokenizer_pool is not None:
+                state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             if owned:
                 await state.extractor.close()  # drains the writer: every object lands
 
@@ -82,7 +86,7 @@ def create_app(
     )
     app.state.hsx = state
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    install_middleware(app, state)
     app.include_router(meta.public)
     protected: dict[str, Any] = {
         "dependencies": [Depends(caller_namespace)],
@@ -94,6 +98,41 @@ def create_app(
     return app
 
 
+def install_middleware(app: FastAPI, state: ApiState) -> None:
+    """Outermost first: access log, key check (before any read), body bounds."""
+    limits, server = state.settings.limits, state.settings.server
+
+    def refused(path: str) -> None:
+        if state.metrics is not None and path == "/extract":
+            state.metrics.rejected("unauthorized")
+
+    # Starlette wraps in reverse order of adding: the last added runs first.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=limits.max_body_bytes,
+        timeout_s=server.body_timeout_s,
+        budget=state.body_budget,
+    )
+    app.add_middleware(AuthMiddleware, keys=state.keys, public=PUBLIC_PATHS, on_refused=refused)
+    app.add_middleware(AccessMiddleware)
+
+
+async def _start_engine(settings: Settings, storage_factory: str | None) -> ExtractorLike:
+    from service.engine.extractor import Extractor
+
+    return await Extractor.start(settings, storage_factory=storage_factory)
+
+
+async def settle(state: ApiState, limit_s: float = 10.0) -> None:
+    """Wait (at most ``limit_s``) until no /extract request is unfinished.
+
+    Requests that shutdown cancelled clean up first: aborting their engine requests
+    and removing the objects no client was told about needs the engine still running.
+    """
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(state.admission.idle(), limit_s)
+
+
 def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
     """The app's state before the engine is attached: keys, limits, metrics."""
     state = ApiState(
@@ -101,6 +140,7 @@ def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
         keys=keys,
         registry=CollectorRegistry(),
         admission=Admission(settings.limits.max_queued_prompts),
+        body_budget=BodyBudget(settings.limits.max_body_bytes_in_flight),
     )
     state.storage_metrics = StorageMetrics(state.registry)
     state.metrics = ExtractMetrics(state.registry, state.backend, state.storage_metrics)
@@ -111,14 +151,22 @@ def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
 
 
 async def attach_engine(state: ApiState) -> None:
-    """Wire a started extractor in: storage metrics, the probe, layout, build info."""
-    import vllm
-
+    """Wire a started extractor in: storage metrics, the probe, tokenizer bounds, layout."""
     extractor = state.extractor
     assert state.storage_metrics is not None
     storage = InstrumentedStorage(extractor.storage, state.storage_metrics)
-    state.storage, state.probe = storage, StorageProbe(storage)
-    build_info(state.registry, service.__version__, str(vllm.__version__), extractor.info.name)
+    state.storage = storage
+    state.probe = StorageProbe(
+        storage,
+        root=getattr(extractor.storage, "root", None),
+        min_free_bytes=state.settings.storage.local.min_free_bytes,
+    )
+    state.model_name = served_model_name(extractor.info.name)
+    build_info(state.registry, state.model_name)
+    state.tokenizer_pool = ThreadPoolExecutor(
+        state.settings.limits.tokenizer_threads, thread_name_prefix="hsx-tokenize"
+    )
+    state.max_token_bytes = max_token_bytes(extractor.tokenizer)
     try:
         state.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]
     except Exception:  # a user-supplied worker extension replaces ours: no layout

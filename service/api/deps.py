@@ -7,10 +7,12 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service.api.auth import OPEN_NAMESPACE
+from service.api.auth import SCOPE_NAMESPACE
 from service.api.errors import ApiError
 from service.api.state import ApiState
 
+# Declares the scheme in the OpenAPI document; the key itself is checked earlier, by
+# service.api.auth.AuthMiddleware, before the body is read.
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer <key>`")
 
 
@@ -23,20 +25,14 @@ StateDep = Annotated[ApiState, Depends(get_state)]
 
 
 def caller_namespace(
-    state: StateDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    request: Request,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> str:
-    """The namespace of the caller's key; 401 without a valid one (when keys exist)."""
-    if not state.keys.enabled:
-        return OPEN_NAMESPACE
-    namespace = state.keys.namespace_for(credentials.credentials) if credentials else None
-    if namespace is None:
-        reason = "missing API key" if credentials is None else "invalid API key"
+    """The namespace AuthMiddleware found for the caller's key."""
+    namespace = request.scope.get(SCOPE_NAMESPACE)
+    if not isinstance(namespace, str):  # only reachable if the middleware was left out
         raise ApiError(
-            401,
-            "unauthorized",
-            f"{reason}: send 'Authorization: Bearer <key>'",
-            headers={"WWW-Authenticate": "Bearer"},
+            401, "unauthorized", "missing API key", headers={"WWW-Authenticate": "Bearer"}
         )
     return namespace
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.schemas import ErrorBody, ErrorDetail
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -69,17 +72,49 @@ def _count_rejection(request: Request, kind: str) -> None:
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     first = _best_error(exc.errors())
-    field, index = _field_and_index(tuple(first.get("loc", ())))
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    where = f"{field}: " if field else ""
+    if first.get("type") == "json_invalid":  # FastAPI puts the byte offset in "loc"
+        position = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+        reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+        message = f"body: not valid JSON: {reason} (at byte {position})"
+        field: str | None = "body"
+        index = None
+    else:
+        field, index = _field_and_index(tuple(first.get("loc", ())))
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        message = f"{field}: {message}" if field else message
     _count_rejection(request, "invalid_request")
-    return ApiError(
-        422, "invalid_request", f"{where}{message}", field=field, index=index
-    ).response()
+    return ApiError(422, "invalid_request", message, field=field, index=index).response()
+
+
+#: Why a body that json.loads refused could not be parsed (FastAPI only says 400).
+_PARSE_FAILURES: tuple[tuple[type[BaseException], str], ...] = (
+    (UnicodeDecodeError, "not valid UTF-8"),
+    (RecursionError, "JSON nested too deeply"),
+    (ValueError, "a number is too long (integers may have at most 4300 digits)"),
+)
+
+
+def _unparsable_body(exc: BaseException) -> ApiError | None:
+    """FastAPI's 400 "error parsing the body" as our 422, saying what was wrong."""
+    cause = exc.__cause__
+    if cause is None:
+        return None
+    reason = next((why for cls, why in _PARSE_FAILURES if isinstance(cause, cls)), None)
+    message = f"body: {reason or 'not valid JSON'}"
+    return ApiError(422, "invalid_request", message, field="body")
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    from service.api.body_limit import BodyError
+
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc, BodyError):
+        _count_rejection(request, exc.error.detail.type)
+        return exc.error.response()
+    parse_error = _unparsable_body(exc) if exc.status_code == 400 else None
+    if parse_error is not None:
+        _count_rejection(request, "invalid_request")
+        return parse_error.response()
     kind = {
         401: "unauthorized",
         404: "not_found",
@@ -95,16 +130,22 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    if exc.status == 401:  # raised by the auth dependency, before the handler
-        _count_rejection(request, "unauthorized")
     return exc.response()
 
 
 async def _storage_error(_: Request, exc: Exception) -> JSONResponse:
     from service.storage.base import StorageUnavailableError
 
-    status = 503 if isinstance(exc, StorageUnavailableError) else 502
-    return ApiError(status, "storage_error", f"storage: {exc}").response()
+    # The detail (paths, bucket, endpoint) goes to the log, never to the client.
+    log.warning("hsx: storage error: %s", exc)
+    if isinstance(exc, StorageUnavailableError):
+        return ApiError(503, "storage_error", "storage: unavailable; retry later").response()
+    return ApiError(502, "storage_error", "storage: the operation failed").response()
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    # Logged with its traceback by uvicorn (Starlette re-raises after answering).
+    return ApiError(500, "internal_error", "internal error").response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -115,3 +156,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StorageError, _storage_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)

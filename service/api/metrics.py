@@ -224,12 +224,7 @@ def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=value)
 
 
-def build_info(registry: CollectorRegistry, version: str, vllm_version: str, model: str) -> None:
-    """``hsx_build_info{version, vllm_version, model} 1``."""
-    gauge = Gauge(
-        "hsx_build_info",
-        "hsx build and the served model.",
-        ["version", "vllm_version", "model"],
-        registry=registry,
-    )
-    gauge.labels(version, vllm_version, model).set(1)
+def build_info(registry: CollectorRegistry, model: str) -> None:
+    """``hsx_build_info{model} 1``: the served name. Versions stay behind a key (/version)."""
+    gauge = Gauge("hsx_build_info", "The served model.", ["model"], registry=registry)
+    gauge.labels(model).set(1)

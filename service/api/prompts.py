@@ -1,12 +1,82 @@
-"""From request prompts to checked token ids, before anything reaches the engine."""
+"""From request prompts to checked token ids, before anything reaches the engine.
+
+Tokenising is the one step whose cost a client picks: an 8 MB text took 20 s of CPU
+and gigabytes of memory. So a text that cannot fit is refused from its size alone
+(``check_prompt_sizes``): no token of the model is longer than ``max_token_bytes``
+UTF-8 bytes, so a prompt of at most ``n`` tokens has at most ``n * max_token_bytes``
+bytes of text. Tokenising then runs prompt by prompt and stops when told to.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 from service.api.errors import ApiError
 from service.api.schemas import ExtractRequest, Message, PromptObject
 from service.config import LimitsSettings
+
+log = logging.getLogger(__name__)
+
+#: Bytes per token assumed when the tokenizer cannot list its vocabulary.
+FALLBACK_TOKEN_BYTES = 1024
+
+
+class TokenizingStopped(Exception):
+    """Tokenising was stopped (the request's deadline passed, or it was cancelled)."""
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """UTF-8 bytes of the model's longest token string: an upper bound on the text one
+    token covers (byte-level BPE writes each byte as one character, SentencePiece its
+    space as three bytes, byte-fallback tokens as six), so never an underestimate."""
+    if tokenizer is None:
+        return 0
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(len(str(token).encode()) for token in vocab) if vocab else 0
+    except Exception:  # a tokenizer without a listable vocabulary: a loose bound
+        log.warning("hsx: cannot list the tokenizer's vocabulary; assuming long tokens")
+        return FALLBACK_TOKEN_BYTES
+
+
+def check_prompt_sizes(
+    request: ExtractRequest, *, token_bytes: int, max_model_len: int, limits: LimitsSettings
+) -> None:
+    """Refuse text and chat prompts whose size alone shows they cannot fit (422)."""
+    per_prompt = max_model_len - request.max_tokens
+    if token_bytes <= 0 or per_prompt < 1:
+        return  # no tokenizer (text is refused later) or no room (tokenize_all says so)
+    total = 0
+    for index, prompt in enumerate(request.prompts):
+        size = _text_bytes(prompt)
+        if size > per_prompt * token_bytes:
+            raise _limit(
+                _field(prompt, index),
+                f"{size} bytes of text cannot fit in {per_prompt} tokens (max_model_len "
+                f"{max_model_len} minus max_tokens {request.max_tokens}; no token of this "
+                f"model is longer than {token_bytes} bytes)",
+                index=index,
+            )
+        total += size
+        if total > limits.max_total_tokens * token_bytes:
+            raise _limit(
+                "prompts",
+                f"more text than {limits.max_total_tokens} tokens can hold "
+                f"(reached at prompt {index})",
+                index=index,
+            )
+
+
+def _text_bytes(prompt: str | PromptObject) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    if prompt.text is not None:
+        return len(prompt.text.encode())
+    if prompt.messages is not None:
+        return sum(len(m.content.encode()) for m in prompt.messages)
+    return 0
 
 
 def check_request_limits(request: ExtractRequest, limits: LimitsSettings) -> None:
@@ -24,8 +94,12 @@ def tokenize_all(
     vocab_size: int,
     max_model_len: int,
     limits: LimitsSettings,
+    stop: threading.Event | None = None,
 ) -> list[list[int]]:
-    """Token ids of every prompt; raises ApiError naming the prompt and field at fault."""
+    """Token ids of every prompt; raises ApiError naming the prompt and field at fault.
+
+    Checks ``stop`` before each prompt and raises TokenizingStopped once it is set.
+    """
     per_prompt = max_model_len - request.max_tokens
     if per_prompt < 1:
         raise _limit(
@@ -35,6 +109,8 @@ def tokenize_all(
         )
     result, total = [], 0
     for index, prompt in enumerate(request.prompts):
+        if stop is not None and stop.is_set():
+            raise TokenizingStopped
         ids = _token_ids(prompt, tokenizer, vocab_size, index)
         if len(ids) > per_prompt:
             raise _limit(

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from service.api.auth import ApiKeys
+from service.api.body_limit import BodyBudget
 from service.api.metrics import EngineCollector, ExtractMetrics
 from service.config import Settings
 from service.metrics import StorageMetrics
 from service.storage import Storage, scheme_of
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,38 +32,69 @@ class Admission:
 
     limit: int
     queued: int = 0
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def try_admit(self, prompts: int) -> bool:
         if self.queued + prompts > self.limit:
             return False
         self.queued += prompts
+        self._idle.clear()
         return True
 
     def release(self, prompts: int) -> None:
         self.queued -= prompts
+        if not self.queued:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        """Return once no admitted prompt is unfinished."""
+        if self.queued:
+            await self._idle.wait()
 
 
 @dataclass
 class StorageProbe:
-    """``/ready``'s storage check, cached so probes do not hammer the backend."""
+    """``/ready``'s storage check, cached so probes do not hammer the backend.
+
+    Ready means the storage can take a write: it answers its ping and, on local disk,
+    its file system keeps at least ``min_free_bytes`` free (a full disk fails every
+    write with ENOSPC). The reason goes to the log; probes see no paths or buckets.
+    """
 
     storage: Storage
+    root: Path | None = None  # local disk: the storage root, whose free space counts
+    min_free_bytes: int = 0
     ttl_s: float = 5.0
     _at: float = -1e9
     _error: str | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def error(self) -> str | None:
-        """None when the storage answered within the last ``ttl_s``, else why not."""
+        """None when the storage could take a write within the last ``ttl_s``, else why not."""
         async with self._lock:
             if time.monotonic() - self._at >= self.ttl_s:
-                try:
-                    await asyncio.wait_for(self.storage.ping(), timeout=5)
-                    self._error = None
-                except Exception as exc:  # any failure means "not ready"
-                    self._error = f"{type(exc).__name__}: {exc}"
+                self._error = await self._check()
                 self._at = time.monotonic()
             return self._error
+
+    async def _check(self) -> str | None:
+        try:
+            await asyncio.wait_for(self.storage.ping(), timeout=5)
+        except Exception as exc:  # any failure means "not ready"
+            log.warning("hsx: storage not ready: %s: %s", type(exc).__name__, exc)
+            return "unavailable"
+        root = self.root
+        if root is not None:
+            free = (await asyncio.to_thread(shutil.disk_usage, root)).free
+            if free < self.min_free_bytes:
+                log.warning(
+                    "hsx: storage not ready: %d bytes free under %s, below %d",
+                    free,
+                    root,
+                    self.min_free_bytes,
+                )
+                return "too little free space"
+        return None
 
 
 @dataclass
@@ -67,7 +105,8 @@ class ApiState:
     keys: ApiKeys
     registry: CollectorRegistry
     admission: Admission
-    extractor: Any = None  # service.engine.extractor.Extractor once started
+    body_budget: BodyBudget
+    extractor: Any = None  # an Extractor (service.api.extractor.ExtractorLike) once started
     draining: bool = False
     probe: StorageProbe | None = None
     metrics: ExtractMetrics | None = None
@@ -75,6 +114,12 @@ class ApiState:
     engine_metrics: EngineCollector = field(default_factory=EngineCollector)
     #: The extractor's storage behind the metrics wrapper (reads and deletes).
     storage: Storage | None = None
+    #: Runs the tokenizer off the event loop; bounded, so tokenising cannot take every core.
+    tokenizer_pool: ThreadPoolExecutor | None = None
+    #: UTF-8 bytes of the longest token: a text longer than tokens * this cannot fit.
+    max_token_bytes: int = 0
+    #: The model's name as clients and metrics see it (never a server path).
+    model_name: str = ""
 
     @property
     def backend(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from service.config import Settings
@@ -39,6 +40,13 @@ def read_model_info(model: str, name: str | None = None) -> ModelInfo:
     return ModelInfo(
         name or model, int(text.num_hidden_layers), int(text.hidden_size), hybrid, vocab
     )
+
+
+def served_model_name(model: str) -> str:
+    """The name clients and metrics see: a local model's directory name (never the
+    server's path), or the Hugging Face id as given."""
+    path = Path(model)
+    return path.name if path.is_absolute() or path.exists() else model
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -92,7 +100,7 @@ def engine_args(
     }
     return AsyncEngineArgs(
         model=engine.model,
-        served_model_name=[info.name],
+        served_model_name=[served_model_name(info.name)],
         dtype=engine.dtype,
         max_model_len=engine.max_model_len,
         max_num_batched_tokens=engine.max_num_batched_tokens,

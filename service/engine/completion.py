@@ -84,6 +84,7 @@ class CompletionReceiver:
         self._waiting: dict[str, asyncio.Future[Completion]] = {}
         self._abandoned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        self._orphans: set[asyncio.Task[Any]] = set()  # held: the loop keeps weak refs only
         self.on_orphan: Any = None  # async callable(Completion) for abandoned keys
 
     def start(self) -> None:
@@ -107,7 +108,9 @@ class CompletionReceiver:
 
     def _dispatch_orphan(self, completion: Completion) -> None:
         if self.on_orphan is not None:
-            asyncio.get_running_loop().create_task(self.on_orphan(completion))
+            task = asyncio.get_running_loop().create_task(self.on_orphan(completion))
+            self._orphans.add(task)
+            task.add_done_callback(self._orphans.discard)
 
     async def _loop(self) -> None:
         while True:
@@ -132,10 +135,21 @@ class CompletionReceiver:
             future.set_result(completion)
 
     async def close(self) -> None:
+        """Stop receiving. Completions already sent (the engine has shut down, so its
+        writers are drained) are still delivered, and orphans removed, first."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        while True:
+            try:
+                raw = await self._socket.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            with contextlib.suppress(ValueError, TypeError):
+                self._deliver(Completion.decode(raw))
+        if self._orphans:
+            await asyncio.gather(*self._orphans, return_exceptions=True)
         for future in self._waiting.values():
             future.cancel()
         self._socket.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Awaitable
@@ -12,17 +13,17 @@ from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
-from service.api.prompts import check_request_limits, tokenize_all
+from service.api.prompts import check_prompt_sizes, check_request_limits, tokenize_all
 from service.api.schemas import (
     ErrorBody,
     ErrorDetail,
     ExtractRequest,
     ExtractResponse,
     PartialFailureBody,
+    PromptObject,
     PromptOutcome,
     StoredObject,
     Usage,
@@ -37,6 +38,7 @@ from service.engine.extractor import (
 router = APIRouter()
 T = TypeVar("T")
 access_log = logging.getLogger("hsx.requests")
+log = logging.getLogger(__name__)
 
 RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or invalid API key"},
@@ -55,11 +57,12 @@ async def extract(
 ) -> ExtractResponse:
     """Extract the hidden states of every prompt; one object per prompt."""
     assert state.metrics is not None
-    token_ids = await admit(state, body)
     started = time.monotonic()
+    deadline = started + state.settings.limits.request_timeout_s
+    token_ids = await admit(state, body, deadline)
     try:
         work = run_prompts(state, body, token_ids, namespace)
-        outcomes = await guard(request, work, state.settings.limits.request_timeout_s)
+        outcomes = await guard(request, work, deadline, state.settings.limits.request_timeout_s)
     except ApiError as error:  # disconnected or past the deadline: the work was aborted
         reason = "disconnect" if error.status == 499 else "deadline"
         state.metrics.aborted(reason, time.monotonic() - started)
@@ -73,13 +76,13 @@ async def extract(
     return respond(state, outcomes)
 
 
-async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
+async def admit(state: ApiState, body: ExtractRequest, deadline: float) -> list[list[int]]:
     """Checks before the engine: limits, serving state, token ids, queue room."""
     assert state.metrics is not None
     try:
         check_request_limits(body, state.settings.limits)
         ensure_serving(state)
-        token_ids: list[list[int]] = await prompt_token_ids(state, body)
+        token_ids: list[list[int]] = await prompt_token_ids(state, body, deadline)
         if not state.admission.try_admit(len(token_ids)):
             raise ApiError(
                 429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
@@ -122,9 +125,22 @@ def log_request(namespace: str, outcomes: list[Any], elapsed: float) -> None:
     )
 
 
-async def prompt_token_ids(state: ApiState, body: ExtractRequest) -> list[list[int]]:
-    """Every prompt's token ids, checked against the limits (ApiError otherwise)."""
+async def prompt_token_ids(
+    state: ApiState, body: ExtractRequest, deadline: float
+) -> list[list[int]]:
+    """Every prompt's token ids, checked against the limits (ApiError otherwise).
+
+    Text that cannot fit is refused from its size; the rest is tokenised on the
+    bounded tokenizer pool, within the request's deadline.
+    """
     extractor = state.extractor
+    check_prompt_sizes(
+        body,
+        token_bytes=state.max_token_bytes,
+        max_model_len=extractor.max_model_len,
+        limits=state.settings.limits,
+    )
+    stop = threading.Event()
     tokenize = partial(
         tokenize_all,
         body,
@@ -132,10 +148,22 @@ async def prompt_token_ids(state: ApiState, body: ExtractRequest) -> list[list[i
         vocab_size=extractor.info.vocab_size,
         max_model_len=extractor.max_model_len,
         limits=state.settings.limits,
+        stop=stop,
     )
-    if any(isinstance(p, str) or p.token_ids is None for p in body.prompts):
-        return await run_in_threadpool(tokenize)  # the tokenizer, off the event loop
-    return tokenize()  # token ids only need checking: cheaper than a thread hop
+    if all(isinstance(p, PromptObject) and p.token_ids is not None for p in body.prompts):
+        return tokenize()  # token ids only need checking: cheaper than a thread hop
+    assert state.tokenizer_pool is not None
+    running = asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, tokenize)
+    try:
+        return await asyncio.wait_for(running, timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise timeout_error(state.settings.limits.request_timeout_s) from None
+    finally:
+        stop.set()  # the thread stops before its next prompt
+
+
+def timeout_error(deadline_s: float) -> ApiError:
+    return ApiError(504, "timeout", f"request took longer than {deadline_s:g} s; work aborted")
 
 
 def ensure_serving(state: ApiState) -> None:
@@ -150,7 +178,12 @@ def ensure_serving(state: ApiState) -> None:
 async def run_prompts(
     state: ApiState, body: ExtractRequest, token_ids: list[list[int]], namespace: str
 ) -> list[Any]:
-    """Every prompt concurrently; an outcome per prompt (an Extraction or the error)."""
+    """Every prompt concurrently; an outcome per prompt (an Extraction or the error).
+
+    Cancelled (disconnect, deadline, shutdown), it aborts every engine request and
+    removes the objects that were already written: no client will learn their keys.
+    Objects still being written are removed by the extractor when they land.
+    """
     tasks = [
         asyncio.ensure_future(
             state.extractor.extract(
@@ -163,16 +196,31 @@ async def run_prompts(
         )
         for ids in token_ids
     ]
+    returned = False
     try:
-        return await asyncio.gather(*tasks, return_exceptions=True)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        returned = True
+        return outcomes
     finally:
-        # Cancelled (disconnect, deadline): wait until every engine request is aborted.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not returned:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await discard_landed(state, tasks)
 
 
-async def guard(request: Request, work: Awaitable[T], deadline_s: float) -> T:
+async def discard_landed(state: ApiState, tasks: list[asyncio.Future[Any]]) -> None:
+    """Remove the objects of prompts that finished while their request was given up."""
+    landed = [t.result().key for t in tasks if not t.cancelled() and t.exception() is None]
+    results = await asyncio.gather(
+        *(state.extractor.storage.delete(key) for key in landed), return_exceptions=True
+    )
+    for key, result in zip(landed, results, strict=True):
+        if isinstance(result, BaseException):
+            log.error("hsx: could not remove unreported object %s: %s", key, result)
+
+
+async def guard(request: Request, work: Awaitable[T], deadline: float, deadline_s: float) -> T:
     """``work``, unless the client disconnects (abort) or the deadline passes (504).
 
     The client's disconnect is seen as ASGI's ``http.disconnect`` message, as vLLM's
@@ -182,7 +230,9 @@ async def guard(request: Request, work: Awaitable[T], deadline_s: float) -> T:
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait(
-            {task, watch}, timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED
+            {task, watch},
+            timeout=max(0.0, deadline - time.monotonic()),
+            return_when=asyncio.FIRST_COMPLETED,
         )
         if task in done:
             return task.result()
@@ -191,9 +241,11 @@ async def guard(request: Request, work: Awaitable[T], deadline_s: float) -> T:
         if not task.done():  # disconnect, deadline, or this handler itself cancelled
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+    if not task.cancelled():  # finished just as the deadline or the disconnect came
+        return task.result()
     if watch in done:
         raise ApiError(499, "client_closed", "client disconnected; work aborted")
-    raise ApiError(504, "timeout", f"request took longer than {deadline_s:g} s; work aborted")
+    raise timeout_error(deadline_s)
 
 
 async def _disconnected(request: Request) -> None:
@@ -211,7 +263,7 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
     generated = sum(len(o.output_token_ids) for o in outcomes)
     return ExtractResponse(
         id=f"ext-{uuid.uuid4().hex}",
-        model=extractor.info.name,
+        model=state.model_name,
         layer_ids=extractor.layer_ids,
         dtype=extractor.dtype,
         hidden_size=extractor.info.hidden_size,
@@ -268,4 +320,16 @@ def _outcome(index: int, outcome: Any) -> PromptOutcome:
     if not isinstance(outcome, BaseException):
         return PromptOutcome(index=index, key=outcome.key)
     kind = _kind(outcome)
-    return PromptOutcome(index=index, error=ErrorDetail(type=kind, message=str(outcome) or kind))
+    return PromptOutcome(index=index, error=ErrorDetail(type=kind, message=_message(kind, outcome)))
+
+
+def _message(kind: str, error: BaseException) -> str:
+    """What a client may read about a failed prompt: storage and internal details (paths,
+    buckets, endpoints) go to the log only."""
+    if kind == "invalid_request":
+        return str(error) or kind
+    log.warning("hsx: prompt failed (%s): %s", kind, error)
+    return {
+        "storage_error": "storage: the object could not be written",
+        "engine_unavailable": "the engine is not running",
+    }.get(kind, "internal error")

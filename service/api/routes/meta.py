@@ -30,7 +30,7 @@ async def health(state: StateDep) -> JSONResponse:
 
 @public.get("/ready", response_model=Status, responses=UNAVAILABLE)
 async def ready(state: StateDep) -> JSONResponse:
-    """Readiness: engine started, storage reachable, not shutting down."""
+    """Readiness: engine started, storage can take a write, not shutting down."""
     if state.draining:
         return _status(503, "draining", "shutting down")
     if state.extractor is None or not state.extractor.alive:
@@ -64,7 +64,7 @@ async def models(state: StateDep) -> ModelList:
     """The served model and what its objects hold."""
     extractor = state.extractor
     card = ModelCard(
-        id=extractor.info.name,
+        id=state.model_name,
         layer_ids=extractor.layer_ids,
         hidden_size=extractor.info.hidden_size,
         dtype=extractor.dtype,

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Response
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi.responses import RedirectResponse
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
+from service.api.files import file_response
 from service.api.schemas import ErrorBody
 from service.api.state import ApiState
 from service.storage import Storage
@@ -43,11 +44,13 @@ async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Resp
     owned(state, key, namespace)
     assert state.storage is not None
     backend = unwrap(state.storage)
+    if hasattr(backend, "path_for"):  # opened once: a racing DELETE gives 200 whole, or 404
+        name = key.rsplit("/", 1)[-1]
+        response = await file_response(backend.path_for(key), SAFETENSORS, name)
+        if response is None:
+            raise not_found(key)
+        return response
     await ensure_exists(backend, key)
-    if hasattr(backend, "path_for"):
-        return FileResponse(
-            backend.path_for(key), media_type=SAFETENSORS, filename=key.rsplit("/", 1)[-1]
-        )
     if hasattr(backend, "presign_get"):
         return RedirectResponse(backend.presign_get(key), status_code=307)
     return Response(await backend.get(key), media_type=SAFETENSORS)
