@@ -1,8 +1,12 @@
-"""Real uvicorn servers on 127.0.0.1 around a real engine, run in a thread of their own.
+"""Two kinds of API tests.
 
-The engine and the servers share one event loop in a background thread; tests talk to
-them over HTTP only, with ordinary clients, exactly as users do. Several apps (each
-with its own settings) can sit on one engine: an engine start costs 20 s here.
+Engine-backed: real uvicorn servers on 127.0.0.1 around a real engine, run in a thread
+of their own. The engine and the servers share one event loop in a background thread;
+tests talk to them over HTTP only, with ordinary clients, exactly as users do. Several
+apps (each with its own settings) can sit on one engine: an engine start costs 20 s.
+
+Fast: the same app around ``tests.api.fake.FakeExtractor`` (real tokenizer, real local
+storage, no engine), in process over ASGI or behind a real uvicorn on a socket.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -135,6 +139,52 @@ def local_url(local_engine: ServerThread) -> str:
 def client(local_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=local_url, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer alone (no weights): what the fast tests tokenise with."""
+    from service.engine.tiny_models import make_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    make_tokenizer(out, 512)
+    return out
+
+
+#: The engine-backed app's limits, so the fast tests see the same edges.
+FAST_LIMITS = {
+    "max_prompts": 8,
+    "max_total_tokens": 1200,
+    "max_tokens": 64,
+    "max_body_bytes": 65536,
+    "max_queued_prompts": 64,
+}
+
+
+def fast_settings(root: Path, server: dict[str, Any] | None = None, **limits: Any) -> Settings:
+    """Settings of a fast app storing under ``root``."""
+    return Settings(
+        engine={"model": "unused"},
+        storage={"url": str(root), "local": {"fsync": False, "min_free_bytes": 0}},
+        limits={**FAST_LIMITS, **limits},
+        server=server or {},
+    )
+
+
+@pytest.fixture
+def fake(tmp_path: Path, tokenizer_dir: Path) -> Any:
+    from tests.api.fake import fake_extractor
+
+    return fake_extractor(tmp_path / "objects", tokenizer_dir)
+
+
+@pytest.fixture
+async def app_client(fake: Any, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """A fast app (the engine-backed app's keys and limits) and an ASGI client for it."""
+    from tests.api.fake import serving_in_process
+
+    async with serving_in_process(fast_settings(tmp_path), fake, KEYS) as (_, client):
+        yield client
 
 
 def objects_under(root: Path, namespace: str) -> set[str]:

@@ -1,25 +1,40 @@
-"""API keys on every route: a walk over ``app.routes`` catches a route that forgets auth."""
+"""API keys, checked from the headers before anything else. Fast: the app around the
+fake extractor. A walk over ``app.routes`` catches a route that forgets auth; unknown
+paths need a key too, so routes cannot be enumerated."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from service.api.auth import ApiKeys
 from service.api.routes import PUBLIC_PATHS
-from tests.api.conftest import KEY_A, KEY_A2, ServerThread
-
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+from tests.api.conftest import KEY_A, KEY_A2, KEYS, fast_settings
+from tests.api.fake import serving_in_process
 
 A_KEY = "hsx/team-a/2026/01/01/" + "0" * 32 + ".safetensors"
+WRONG = [
+    {},
+    {"Authorization": "Bearer wrong-key-0123456789"},
+    {"Authorization": f"Basic {KEY_A}"},
+    {"Authorization": f"Bearer{KEY_A}"},
+]
 
 
-def routes(local_engine: ServerThread) -> list[tuple[str, str]]:
+@pytest.fixture
+async def served(fake: Any, tmp_path: Path) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    async with serving_in_process(fast_settings(tmp_path), fake, KEYS) as pair:
+        yield pair
+
+
+def routes(app: FastAPI) -> list[tuple[str, str]]:
     """Every (method, path) the app serves, path parameters filled in."""
-    _, _, app = local_engine.servers[0]
     found = []
     for route in app.routes:
         if isinstance(route, APIRoute):
@@ -28,9 +43,12 @@ def routes(local_engine: ServerThread) -> list[tuple[str, str]]:
     return found
 
 
-def test_every_route_but_the_probes_needs_a_key(local_url: str, local_engine: ServerThread) -> None:
-    served = routes(local_engine)
-    assert {p for _, p in served} >= {
+async def test_every_path_but_the_probes_needs_a_key(
+    served: tuple[FastAPI, httpx.AsyncClient], fake: Any
+) -> None:
+    app, client = served
+    served_routes = routes(app)
+    assert {p for _, p in served_routes} >= {
         "/extract",
         "/openapi.json",
         "/version",
@@ -38,40 +56,57 @@ def test_every_route_but_the_probes_needs_a_key(local_url: str, local_engine: Se
         f"/objects/{A_KEY}",
         *PUBLIC_PATHS,
     }
-    for method, path in served:
-        for headers in (
-            {},
-            {"Authorization": "Bearer wrong-key-0123456789"},
-            {"Authorization": f"Basic {KEY_A}"},
-        ):
-            response = httpx.request(
-                method, f"{local_url}{path}", headers=headers, json={"prompts": ["x"]}, timeout=60
-            )
+    unknown = [("GET", "/nope"), ("POST", "/v1/chat/completions"), ("GET", "/objects")]
+    for method, path in served_routes + unknown:
+        for headers in WRONG:
+            response = await client.request(method, path, headers=headers, json={"prompts": ["x"]})
             if path in PUBLIC_PATHS:
                 assert response.status_code != 401, (method, path)
-            else:
-                assert response.status_code == 401, (method, path, headers)
-                assert response.headers["WWW-Authenticate"] == "Bearer"
-                assert response.json()["error"]["type"] == "unauthorized"
+                continue
+            assert response.status_code == 401, (method, path, headers)
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+            assert response.json()["error"]["type"] == "unauthorized"
+            assert "server" not in response.headers
+    assert fake.submitted == 0
+
+
+async def test_the_body_of_a_request_without_a_key_is_never_read(
+    served: tuple[FastAPI, httpx.AsyncClient], fake: Any
+) -> None:
+    _, client = served
+    read = 0
+
+    async def body() -> Any:
+        nonlocal read
+        for _ in range(4):
+            read += 1
+            yield b'{"prompts": ["x"]}'
+
+    response = await client.post("/extract", content=body(), headers={"Content-Length": "72"})
+    assert response.status_code == 401
+    assert read == 0
+    assert fake.submitted == 0
 
 
 @pytest.mark.parametrize("key", [KEY_A, KEY_A2], ids=["current", "rotated"])
-def test_right_keys_open_every_route(local_url: str, local_engine: ServerThread, key: str) -> None:
-    for method, path in routes(local_engine):
-        response = httpx.request(
-            method,
-            f"{local_url}{path}",
-            json={"prompts": ["x"]},
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=60,
+async def test_right_keys_open_every_route(
+    served: tuple[FastAPI, httpx.AsyncClient], key: str
+) -> None:
+    app, client = served
+    for method, path in routes(app):
+        response = await client.request(
+            method, path, json={"prompts": ["x"]}, headers={"Authorization": f"Bearer {key}"}
         )
         # 404: the example key names no object (but auth let the request through).
         assert response.status_code in (200, 204, 404), (method, path, response.text)
+    unknown = await client.get("/nope", headers={"Authorization": f"Bearer {key}"})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["type"] == "not_found"
 
 
-def test_no_keys_means_open_in_namespace_default(local_engine: ServerThread) -> None:
-    url = local_engine.serve(keys=None)
-    response = httpx.post(f"{url}/extract", json={"prompts": [{"token_ids": [3, 4]}]}, timeout=60)
+async def test_no_keys_means_open_in_namespace_default(fake: Any, tmp_path: Path) -> None:
+    async with serving_in_process(fast_settings(tmp_path), fake, ApiKeys([])) as (_, client):
+        response = await client.post("/extract", json={"prompts": [{"token_ids": [3, 4]}]})
     assert response.status_code == 200
     assert response.json()["objects"][0]["key"].startswith("hsx/default/")
 
@@ -80,18 +115,51 @@ def test_key_file_format(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text(
         "# rotation: two keys for team-a\nteam-a:aaaaaaaaaaaaaaaa1\n\n"
-        "team-a:aaaaaaaaaaaaaaaa2\nteam-b:bbbbbbbbbbbbbbbb\n"
+        "team-a:aaaaaaaaaaaaaaaa2\n  # indented comment\nteam-b:bbbbbbbbbbbbbbbb\n"
     )
     keys = ApiKeys.load(path, "team-c:cccccccccccccccc, team-d:dddddddddddddddd")
     assert keys.count == 5
     assert keys.namespace_for("aaaaaaaaaaaaaaaa2") == "team-a"
     assert keys.namespace_for("cccccccccccccccc") == "team-c"
     assert keys.namespace_for("aaaaaaaaaaaaaaaa") is None
-    for bad, message in [
-        ("nocolon", "namespace:key"),
-        ("Team:aaaaaaaaaaaaaaaa", "namespace"),
-        ("team:short", "16 characters"),
-    ]:
-        path.write_text(bad)
-        with pytest.raises(ValueError, match=message):
-            ApiKeys.load(path)
+
+
+BAD_KEY_FILES = [
+    ("no colon", "team-a:aaaaaaaaaaaaaaaa\nnocolon\n", ":2: expected 'namespace:key'"),
+    ("bad namespace", "Team:aaaaaaaaaaaaaaaa", ":1: namespace"),
+    ("short key", "team:short", ":1: key is shorter than 16 characters"),
+    (
+        "one key, two namespaces",
+        "team-a:aaaaaaaaaaaaaaaa\nteam-b:bbbbbbbbbbbbbbbb\nteam-b:aaaaaaaaaaaaaaaa\n",
+        ":3: this key already appears at ",
+    ),
+    ("same line twice", "team-a:aaaaaaaaaaaaaaaa\nteam-a:aaaaaaaaaaaaaaaa\n", ":2: this key"),
+    (
+        "inline comment",
+        "team-a:aaaaaaaaaaaaaaaa  # laptop\n",
+        ":1: inline comments are not allowed",
+    ),
+    ("space in key", "team-a:aaaaaaaa aaaaaaaa\n", ":1: a key may hold only"),
+    ("quote in key", 'team-a:"aaaaaaaaaaaaaaaa"\n', ":1: a key may hold only"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"), BAD_KEY_FILES, ids=[b[0] for b in BAD_KEY_FILES]
+)
+def test_bad_key_files_are_refused_naming_the_line(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="keys") as caught:
+        ApiKeys.load(path)
+    assert str(caught.value).startswith(f"{path}{message.split(' ')[0]}"), caught.value
+    assert message in str(caught.value)
+
+
+def test_a_key_in_both_the_file_and_the_variable_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("team-a:aaaaaaaaaaaaaaaa\n")
+    with pytest.raises(ValueError, match=r"HSX_SERVER__API_KEYS item 2: this key already appears"):
+        ApiKeys.load(path, "team-c:cccccccccccccccc,team-b:aaaaaaaaaaaaaaaa")

@@ -1,4 +1,5 @@
-"""Every class of bad input gets its 4xx, names the field, and never reaches the engine."""
+"""Every class of bad input gets its 4xx in the one error shape, names the field, and
+never reaches the engine. Fast: the app around the fake extractor (real tokenizer)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import AUTH_A, ServerThread
+from tests.api.conftest import AUTH_A
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+JSON = {**AUTH_A, "Content-Type": "application/json"}
 
 CASES: list[tuple[str, Any, int, str, int | None]] = [
     # (name, body, status, field, index)
@@ -61,17 +62,16 @@ CASES: list[tuple[str, Any, int, str, int | None]] = [
 @pytest.mark.parametrize(
     ("name", "body", "status", "field", "index"), CASES, ids=[c[0] for c in CASES]
 )
-def test_bad_input_is_refused_before_the_engine(
-    client: httpx.Client,
-    local_engine: ServerThread,
+async def test_bad_input_is_refused_before_the_engine(
+    app_client: httpx.AsyncClient,
+    fake: Any,
     name: str,
     body: Any,
     status: int,
     field: str,
     index: int | None,
 ) -> None:
-    submitted = local_engine.extractor.requests_submitted
-    response = client.post("/extract", json=body, headers=AUTH_A)
+    response = await app_client.post("/extract", json=body, headers=AUTH_A)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) <= {"type", "message", "field", "index"}
@@ -80,23 +80,35 @@ def test_bad_input_is_refused_before_the_engine(
         assert error["field"] == field
         assert error["message"].startswith(field)
     assert error.get("index") == index
-    assert local_engine.extractor.requests_submitted == submitted
+    assert fake.submitted == 0
 
 
-def test_malformed_json_is_422(client: httpx.Client, local_engine: ServerThread) -> None:
-    submitted = local_engine.extractor.requests_submitted
-    response = client.post(
-        "/extract", content=b'{"prompts": [', headers={**AUTH_A, "Content-Type": "application/json"}
-    )
-    assert response.status_code == 422
-    assert response.json()["error"]["type"] == "invalid_request"
-    assert local_engine.extractor.requests_submitted == submitted
+# Bodies that are not JSON at all: the same 422 shape, field "body", saying why.
+MALFORMED: list[tuple[str, bytes, str]] = [
+    ("truncated JSON", b'{"prompts": [', "not valid JSON"),
+    ("not UTF-8", b'{"prompts": ["\xff\xfe"]}', "UTF-8"),
+    ("integer over 4300 digits", b'{"prompts": [{"token_ids": [' + b"9" * 5000 + b"]}]}", "digits"),
+    ("nested 1000 deep", b'{"prompts": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested"),
+    ("empty object", b"{", "not valid JSON"),
+]
 
 
-def test_declared_body_over_the_limit_is_413(client: httpx.Client) -> None:
-    response = client.post(
-        "/extract", content=b"x" * 70000, headers={**AUTH_A, "Content-Type": "application/json"}
-    )
+@pytest.mark.parametrize(("name", "content", "says"), MALFORMED, ids=[m[0] for m in MALFORMED])
+async def test_malformed_body_is_422_invalid_request(
+    app_client: httpx.AsyncClient, fake: Any, name: str, content: bytes, says: str
+) -> None:
+    response = await app_client.post("/extract", content=content, headers=JSON)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request"
+    assert error["field"] == "body"
+    assert error["message"].startswith("body: ")
+    assert says in error["message"]
+    assert fake.submitted == 0
+
+
+async def test_declared_body_over_the_limit_is_413(app_client: httpx.AsyncClient) -> None:
+    response = await app_client.post("/extract", content=b"x" * 70000, headers=JSON)
     assert response.status_code == 413
     assert response.json()["error"] == {
         "type": "payload_too_large",
@@ -105,15 +117,29 @@ def test_declared_body_over_the_limit_is_413(client: httpx.Client) -> None:
     }
 
 
-def test_model_without_chat_template_is_422(local_engine: ServerThread) -> None:
-    tokenizer = local_engine.extractor.tokenizer
-    template, tokenizer.chat_template = tokenizer.chat_template, None
-    try:
-        url = local_engine.serve()
-        body = {"prompts": [{"messages": [{"role": "user", "content": "hi"}]}]}
-        response = httpx.post(f"{url}/extract", json=body, headers=AUTH_A, timeout=60)
-    finally:
-        tokenizer.chat_template = template
+async def test_chunked_body_over_the_limit_is_413_without_reading_it_all(
+    app_client: httpx.AsyncClient, fake: Any
+) -> None:
+    sent = 0
+
+    async def chunks() -> Any:
+        nonlocal sent
+        for _ in range(100):  # 1.6 MB offered, 64 KiB allowed
+            sent += 16384
+            yield b"x" * 16384
+
+    response = await app_client.post("/extract", content=chunks(), headers=JSON)
+    assert response.status_code == 413
+    assert response.json()["error"]["field"] == "body"
+    assert sent < 200_000  # stopped reading at the limit
+    assert fake.submitted == 0
+
+
+async def test_model_without_chat_template_is_422(app_client: httpx.AsyncClient, fake: Any) -> None:
+    fake.tokenizer.chat_template = None
+    body = {"prompts": [{"messages": [{"role": "user", "content": "hi"}]}]}
+    response = await app_client.post("/extract", json=body, headers=AUTH_A)
     assert response.status_code == 422
     assert response.json()["error"]["field"] == "prompts[0].messages"
     assert "chat template" in response.json()["error"]["message"]
+    assert fake.submitted == 0

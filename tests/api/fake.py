@@ -1,0 +1,147 @@
+"""A test double of the extractor, behind the API's protocol (service.api.extractor).
+
+Everything but the engine is real: the tokenizer is the tiny model's Hugging Face
+tokenizer, objects are real safetensors files written through the real local storage.
+Faults the real engine cannot produce on demand are injected per prompt length
+(``faults``), and ``gate`` holds chosen prompts in flight until the test opens it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from fastapi import FastAPI
+from safetensors.numpy import save
+
+from service.api.app import create_app
+from service.api.auth import ApiKeys
+from service.config import Settings
+from service.engine.extractor import (
+    EngineUnavailableError,
+    Extraction,
+    InvalidPromptError,
+    StorageWriteError,
+)
+from service.storage.keys import new_object_key
+from service.storage.local import LocalStorage
+
+__all__ = ["EngineUnavailableError", "FakeExtractor", "InvalidPromptError", "StorageWriteError"]
+
+
+@dataclass(frozen=True)
+class FakeModelInfo:
+    name: str
+    hidden_size: int = 8
+    vocab_size: int = 512
+    num_layers: int = 4
+
+
+@dataclass
+class FakeExtractor:
+    """Writes one small real object per prompt; ``submitted`` counts engine requests."""
+
+    storage: LocalStorage
+    tokenizer: Any
+    info: FakeModelInfo
+    layer_ids: list[int] = field(default_factory=lambda: [1, 2, 4])
+    dtype: str = "float32"
+    max_model_len: int = 512
+    alive: bool = True
+    submitted: int = 0
+    #: Prompt length -> exception class raised for prompts of that length.
+    faults: dict[int, type[Exception]] = field(default_factory=dict)
+    #: Prompt lengths held until ``gate`` is set (others finish at once).
+    held: set[int] = field(default_factory=set)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    #: How many prompts are waiting at the gate right now.
+    waiting: int = 0
+    #: Keys of every object written so far (some may have been removed since).
+    written: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    async def extract(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        namespace: str,
+        max_tokens: int = 1,
+        include_output_tokens: bool = False,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Extraction:
+        self.submitted += 1
+        ids = list(prompt_token_ids)
+        if not self.alive:
+            raise EngineUnavailableError("engine is dead")
+        if len(ids) in self.held:
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
+        fault = self.faults.get(len(ids))
+        if fault is InvalidPromptError:  # vLLM's words: about the prompt only
+            raise fault(f"the prompt ({len(ids)} tokens) is longer than the model allows")
+        if fault is not None:  # a storage error's detail names paths, buckets, endpoints
+            raise fault(f"injected failure for {self.storage.root}/{namespace}")
+        states = np.zeros((len(ids), len(self.layer_ids), self.info.hidden_size), np.float32)
+        data = save(
+            {"hidden_states": states, "token_ids": np.asarray(ids, np.int64)},
+            metadata={"model": self.info.name, **dict(metadata or {})},
+        )
+        key = new_object_key("hsx", namespace)
+        ref = await self.storage.put(key, data)
+        self.written.append(ref.key)
+        return Extraction(
+            key=ref.key,
+            uri=ref.uri,
+            size=ref.size,
+            sha256=ref.sha256,
+            num_tokens=len(ids),
+            shape=tuple(states.shape),
+            prompt_tokens=len(ids),
+            output_token_ids=tuple([3] * max_tokens),
+        )
+
+    async def on_workers(self, method: str) -> list[Any]:
+        """No workers: no KV layout, no memory samples."""
+        return [None] if method == "hsx_kv_layout" else []
+
+    async def close(self) -> None:
+        self.closed = True
+        await self.storage.close()
+
+
+def fake_extractor(root: Path, model: Path, **options: Any) -> FakeExtractor:
+    """A fake over real local storage at ``root`` and ``model``'s real tokenizer."""
+    from transformers import AutoTokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    storage = LocalStorage(root, fsync=False)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return FakeExtractor(storage, tokenizer, FakeModelInfo(str(model)), **options)
+
+
+@contextlib.asynccontextmanager
+async def serving_in_process(
+    settings: Settings, extractor: FakeExtractor, keys: ApiKeys
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """The app with its lifespan run, and a client speaking ASGI to it (no sockets)."""
+    app = create_app(settings, extractor=extractor, keys=keys)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://hsx") as client:
+            yield app, client
+
+
+def list_objects(root: Path, namespace: str) -> set[str]:
+    base = root / "hsx" / namespace
+    if not base.exists():
+        return set()
+    return {str(p.relative_to(root)) for p in base.rglob("*.safetensors")}
