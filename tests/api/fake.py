@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,3 +145,65 @@ def list_objects(root: Path, namespace: str) -> set[str]:
     if not base.exists():
         return set()
     return {str(p.relative_to(root)) for p in base.rglob("*.safetensors")}
+
+
+class FakeServer:
+    """A real uvicorn on 127.0.0.1 (with hsx's connection bounds) around the fake, in a
+    thread with its own event loop: for what only a socket shows (timeouts, disconnects)."""
+
+    def __init__(self, settings: Settings, extractor: FakeExtractor, keys: ApiKeys) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from service.api.connections import uvicorn_options
+
+        self.extractor = extractor
+        self.app = create_app(settings, extractor=extractor, keys=keys)
+        self.loop = asyncio.new_event_loop()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(self.app, log_level="warning", **uvicorn_options(settings))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.host, self.port = self.sock.getsockname()
+        self.url = f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+
+    def wait_started(self, limit_s: float = 30) -> None:
+        import time
+
+        deadline = time.monotonic() + limit_s
+        while not self.server.started:
+            assert self.thread.is_alive(), "server died at start"
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    def call(self, fn: Any) -> Any:
+        """Run ``fn()`` in the server's loop (e.g. to open the fake's gate)."""
+        import concurrent.futures
+
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.loop.call_soon_threadsafe(lambda: done.set_result(fn()))
+        return done.result(10)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@contextlib.contextmanager
+def fake_server(
+    settings: Settings, extractor: FakeExtractor, keys: ApiKeys
+) -> Iterator[FakeServer]:
+    server = FakeServer(settings, extractor, keys)
+    try:
+        server.wait_started()
+        yield server
+    finally:
+        server.stop()

@@ -8,7 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import AUTH_A
+from service.api.prompts import max_token_bytes
+from tests.api.conftest import AUTH_A, KEYS, fast_settings
+from tests.api.fake import serving_in_process
 
 JSON = {**AUTH_A, "Content-Type": "application/json"}
 
@@ -142,4 +144,41 @@ async def test_model_without_chat_template_is_422(app_client: httpx.AsyncClient,
     assert response.status_code == 422
     assert response.json()["error"]["field"] == "prompts[0].messages"
     assert "chat template" in response.json()["error"]["message"]
+    assert fake.submitted == 0
+
+
+async def test_text_that_cannot_fit_is_refused_before_tokenising(fake: Any, tmp_path: Any) -> None:
+    calls: list[int] = []
+    encode = fake.tokenizer.encode
+
+    def spy(text: str, **kwargs: Any) -> Any:
+        calls.append(len(text))
+        return encode(text, **kwargs)
+
+    fake.tokenizer.encode = spy
+    settings = fast_settings(tmp_path, max_body_bytes=16 * 1024 * 1024)
+    bound = 511 * max_token_bytes(fake.tokenizer)  # max_model_len 512 - max_tokens 1
+    async with serving_in_process(settings, fake, KEYS) as (_, client):
+        huge = await client.post(
+            "/extract", json={"prompts": ["ok", {"text": "hello world " * 691000}]}, headers=AUTH_A
+        )
+        chat = await client.post(
+            "/extract",
+            json={"prompts": [{"messages": [{"role": "user", "content": "x" * (bound + 1)}]}]},
+            headers=AUTH_A,
+        )
+        assert calls == []  # neither reached the tokenizer
+        fits = await client.post("/extract", json={"prompts": ["a" * bound]}, headers=AUTH_A)
+    assert huge.status_code == 422
+    error = huge.json()["error"]
+    assert error["type"] == "limit_exceeded"
+    assert error["field"] == "prompts[1].text"
+    assert error["index"] == 1
+    assert "8292000 bytes of text cannot fit in 511 tokens" in error["message"]
+    assert chat.status_code == 422
+    assert chat.json()["error"]["field"] == "prompts[0].messages"
+    # Within the byte bound: tokenised, then refused on its token count.
+    assert calls == [bound]
+    assert fits.status_code == 422
+    assert "tokens; at most 511" in fits.json()["error"]["message"]
     assert fake.submitted == 0
