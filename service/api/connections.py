@@ -35,6 +35,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.config import Settings
 
 
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing an oversized head."""
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     """The per-connection bounds the protocol enforces."""
@@ -58,6 +62,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._reading_head = True
         self._head_bytes = 0
         self._discarded = 0
+        self._oversized = False
         self._timer: asyncio.TimerHandle | None = None
 
     # -- connection ---------------------------------------------------------------
@@ -82,12 +87,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             and self._head_bytes > self.limits.max_header_bytes
             and not self.transport.is_closing()
         ):
-            self._refuse(
-                431,
-                "headers_too_large",
-                f"headers: the request head is larger than {self.limits.max_header_bytes} bytes",
-                field="headers",
-            )
+            self._refuse_head()
 
     # -- parser callbacks -----------------------------------------------------------
 
@@ -101,7 +101,18 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._reading_head = False
         self._head_bytes = 0
         self._disarm()
+        # A head that arrived whole in one read was not counted above: measure it.
+        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._oversized = True
+            raise _HeadTooLarge  # stops the parser; uvicorn then calls send_400_response
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._oversized:
+            self._refuse_head()
+        else:
+            super().send_400_response(msg)
 
     def on_body(self, body: bytes) -> None:
         if self.cycle is not None and self.cycle.response_complete:
@@ -128,6 +139,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._arm()
 
     # -- helpers --------------------------------------------------------------------
+
+    def _refuse_head(self) -> None:
+        self._refuse(
+            431,
+            "headers_too_large",
+            f"headers: the request head is larger than {self.limits.max_header_bytes} bytes",
+            field="headers",
+        )
 
     def _arm(self) -> None:
         self._disarm()

@@ -70,6 +70,7 @@ class ServerThread:
         import uvicorn
 
         from service.api.app import create_app
+        from service.api.connections import uvicorn_options
 
         app = create_app(settings, extractor=self.extractor, keys=keys or ApiKeys([]))
         sock = socket.socket()
@@ -77,7 +78,9 @@ class ServerThread:
         # Nagle + delayed ACK (uvicorn's own sockets get it from asyncio).
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        # The bounds `hsx serve` runs with (service.api.connections), a shorter grace.
+        options = {**uvicorn_options(settings), "timeout_graceful_shutdown": 5}
+        config = uvicorn.Config(app, log_level="warning", **options)
         server = uvicorn.Server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:

@@ -192,12 +192,19 @@ def test_disconnect_removes_objects_that_had_landed(server: FakeServer) -> None:
     with connect(server) as sock:
         sock.sendall(post_head(len(body)) + body)
         deadline = time.monotonic() + 10
-        while fake.waiting < 1:  # two objects landed, the third is held
-            assert time.monotonic() < deadline
+        while fake.waiting < 1 or len(fake.written) < written + 2:
+            assert time.monotonic() < deadline  # two objects land, the third is held
             time.sleep(0.01)
-    assert len(fake.written) == written + 2
     deadline = time.monotonic() + 10
     while list_objects(fake.storage.root, "team-a") & set(fake.written[written:]):
         assert time.monotonic() < deadline, "objects of the abandoned request stayed"
         time.sleep(0.02)
     server.call(fake.gate.set)
+
+
+def test_head_over_the_limit_in_one_piece_is_431(server: FakeServer) -> None:
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert error_of(reply)["type"] == "headers_too_large"
