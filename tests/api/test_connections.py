@@ -7,6 +7,7 @@ Timeouts are set to about a second here; every wait is for a condition, with a l
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -202,9 +203,13 @@ def test_disconnect_removes_objects_that_had_landed(server: FakeServer) -> None:
     server.call(fake.gate.set)
 
 
-def test_head_over_the_limit_in_one_piece_is_431(server: FakeServer) -> None:
+def test_head_over_the_limit_in_one_piece_is_431(
+    server: FakeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hsx.access")
     with connect(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
         reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
     assert error_of(reply)["type"] == "headers_too_large"
+    assert '- "-" 431 unauthenticated' in caplog.text  # its access-log line
