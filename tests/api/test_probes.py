@@ -2,33 +2,37 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.conftest import AUTH_A, ServerThread
+from tests.api.conftest import AUTH_A, KEYS, ServerThread, fast_settings
+from tests.api.fake import serving_in_process
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-
+@pytest.mark.engine
+@pytest.mark.slow
 def test_health_and_ready(client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").json() == {"status": "ready"}
 
 
-def test_draining_app_is_not_ready_and_refuses_work(local_engine: ServerThread) -> None:
-    url = local_engine.serve()
-    _, _, app = local_engine.servers[-1]
-    app.state.hsx.draining = True  # what SIGTERM does first (service.serve.DrainingServer)
-    assert httpx.get(f"{url}/ready").status_code == 503
-    assert httpx.get(f"{url}/health").status_code == 200  # alive, just leaving
-    submitted = local_engine.extractor.requests_submitted
-    response = httpx.post(f"{url}/extract", json={"prompts": ["x"]}, headers=AUTH_A)
+async def test_draining_app_is_not_ready_and_refuses_work(fake: Any, tmp_path: Path) -> None:
+    async with serving_in_process(fast_settings(tmp_path), fake, KEYS) as (app, client):
+        app.state.hsx.draining = True  # what SIGTERM does first (service.serve.DrainingServer)
+        assert (await client.get("/ready")).status_code == 503
+        assert (await client.get("/health")).status_code == 200  # alive, just leaving
+        response = await client.post("/extract", json={"prompts": ["x"]}, headers=AUTH_A)
     assert response.status_code == 503
     assert response.headers["Retry-After"]
-    assert local_engine.extractor.requests_submitted == submitted
+    assert fake.submitted == 0
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_models_and_version(client: httpx.Client, local_engine: ServerThread) -> None:
     card = client.get("/v1/models", headers=AUTH_A).json()["data"][0]
     extractor = local_engine.extractor
@@ -51,6 +55,8 @@ def test_models_and_version(client: httpx.Client, local_engine: ServerThread) ->
     }
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_metrics_has_vllm_and_hsx_families(client: httpx.Client) -> None:
     client.post("/extract", json={"prompts": [{"token_ids": [4, 5, 6]}]}, headers=AUTH_A)
     response = client.get("/metrics")
