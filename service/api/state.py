@@ -12,7 +12,6 @@ from prometheus_client import CollectorRegistry
 from service.api.auth import ApiKeys
 from service.api.metrics import EngineCollector, ExtractMetrics
 from service.config import Settings
-from service.metrics import StorageMetrics
 from service.storage import Storage, scheme_of
 
 
@@ -71,9 +70,8 @@ class ApiState:
     draining: bool = False
     probe: StorageProbe | None = None
     metrics: ExtractMetrics | None = None
-    storage_metrics: StorageMetrics | None = None
     engine_metrics: EngineCollector = field(default_factory=EngineCollector)
-    #: The extractor's storage behind the metrics wrapper (reads and deletes).
+    #: The extractor's storage, instrumented (reads and deletes).
     storage: Storage | None = None
 
     @property

@@ -41,6 +41,23 @@ async def running(settings: Settings, storage_factory: str | None = None) -> Asy
         await extractor.close()
 
 
+def engine_requests() -> float:
+    """Requests the engine finished (any reason), from vLLM's own counter.
+
+    vLLM keeps its metrics in this process's default registry (the one ``/metrics``
+    serves beside ours); a request that reached the engine moves this count.
+    """
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        if family.name == "vllm:request_success"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 512) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
@@ -86,7 +103,14 @@ PROMPT_LENGTHS = [
     450,
 ]
 
-__all__ = ["PROMPT_LENGTHS", "engine_settings", "pytest_asyncio", "random_prompts", "running"]
+__all__ = [
+    "PROMPT_LENGTHS",
+    "engine_requests",
+    "engine_settings",
+    "pytest_asyncio",
+    "random_prompts",
+    "running",
+]
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
