@@ -81,9 +81,13 @@ class CompletionReceiver:
         self._waiting[key] = future
         return future
 
-    def abandon(self, key: str) -> None:
-        """Nobody waits for ``key`` any more; its completion goes to ``on_orphan``."""
-        future = self._waiting.pop(key, None)
+    def abandon(self, key: str, waiter: asyncio.Future[Completion] | None = None) -> None:
+        """Nobody waits for ``key`` any more; its completion goes to ``on_orphan``.
+
+        ``waiter`` is the future ``expect`` gave: its completion may already have been
+        delivered (the caller was cancelled before it resumed) and must not be lost.
+        """
+        future = self._waiting.pop(key, None) or waiter
         if future is not None and future.done() and not future.cancelled():
             self._dispatch_orphan(future.result())
             return

@@ -131,7 +131,7 @@ class Extractor:
             output = await self._generate(params, list(prompt_token_ids), max_tokens)
             completion = await waiter
         except BaseException:
-            self._receiver.abandon(key)
+            self._receiver.abandon(key, waiter)
             raise
         return _extraction(completion, output)
 
