@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,14 @@ async def running(settings: Settings, storage_factory: str | None = None) -> Asy
         yield extractor
     finally:
         await extractor.close()
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Return once ``condition()`` holds; give up (without raising) after ``timeout_s``,
+    leaving the caller's assertion to say what was wrong."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def engine_requests() -> float:
@@ -110,6 +120,7 @@ __all__ = [
     "pytest_asyncio",
     "random_prompts",
     "running",
+    "wait_until",
 ]
 
 
