@@ -26,8 +26,7 @@ from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
 from service.engine.builder import served_model_name
-from service.metrics import StorageMetrics
-from service.storage.instrumented import InstrumentedStorage
+from service.storage.local import root_from_url
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +141,7 @@ def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
         admission=Admission(settings.limits.max_queued_prompts),
         body_budget=BodyBudget(settings.limits.max_body_bytes_in_flight),
     )
-    state.storage_metrics = StorageMetrics(state.registry)
-    state.metrics = ExtractMetrics(state.registry, state.backend, state.storage_metrics)
+    state.metrics = ExtractMetrics(state.registry, state.backend)
     state.metrics.bytes_limit.set(settings.limits.max_bytes_in_flight)
     state.metrics.prompts_in_flight.set_function(lambda: state.admission.queued)
     state.registry.register(state.engine_metrics)
@@ -151,14 +149,15 @@ def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
 
 
 async def attach_engine(state: ApiState) -> None:
-    """Wire a started extractor in: storage metrics, the probe, tokenizer bounds, layout."""
+    """Wire a started extractor in: its metrics, the probe, tokenizer bounds, layout."""
     extractor = state.extractor
-    assert state.storage_metrics is not None
-    storage = InstrumentedStorage(extractor.storage, state.storage_metrics)
-    state.storage = storage
+    # Storage and writer metrics belong to the extractor (fed by both processes).
+    state.registry.register(extractor.metrics)
+    state.storage = extractor.storage
+    local = state.backend == "file"
     state.probe = StorageProbe(
-        storage,
-        root=getattr(extractor.storage, "root", None),
+        extractor.storage,
+        root=root_from_url(state.settings.storage.url) if local else None,
         min_free_bytes=state.settings.storage.local.min_free_bytes,
     )
     state.model_name = served_model_name(extractor.info.name)

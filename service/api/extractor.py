@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from prometheus_client.registry import Collector
+
 from service.storage import Storage
 
 
@@ -69,6 +71,10 @@ class ExtractorLike(Protocol):
     @property
     def storage(self) -> Storage:
         """Where objects are written; reads and deletes go through it."""
+
+    @property
+    def metrics(self) -> Collector:
+        """Storage and writer metrics of the extractor; the app registers them."""
 
     async def extract(
         self,

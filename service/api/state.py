@@ -17,7 +17,6 @@ from service.api.auth import ApiKeys
 from service.api.body_limit import BodyBudget
 from service.api.metrics import EngineCollector, ExtractMetrics
 from service.config import Settings
-from service.metrics import StorageMetrics
 from service.storage import Storage, scheme_of
 
 log = logging.getLogger(__name__)
@@ -110,9 +109,8 @@ class ApiState:
     draining: bool = False
     probe: StorageProbe | None = None
     metrics: ExtractMetrics | None = None
-    storage_metrics: StorageMetrics | None = None
     engine_metrics: EngineCollector = field(default_factory=EngineCollector)
-    #: The extractor's storage behind the metrics wrapper (reads and deletes).
+    #: The extractor's storage, instrumented (reads and deletes).
     storage: Storage | None = None
     #: Runs the tokenizer off the event loop; bounded, so tokenising cannot take every core.
     tokenizer_pool: ThreadPoolExecutor | None = None

@@ -23,12 +23,9 @@ from safetensors.numpy import save
 from service.api.app import create_app
 from service.api.auth import ApiKeys
 from service.config import Settings
-from service.engine.extractor import (
-    EngineUnavailableError,
-    Extraction,
-    InvalidPromptError,
-    StorageWriteError,
-)
+from service.engine.errors import EngineUnavailableError, InvalidPromptError, StorageWriteError
+from service.engine.wire import Extraction
+from service.metrics import ExtractorMetrics
 from service.storage.keys import new_object_key
 from service.storage.local import LocalStorage
 
@@ -62,6 +59,7 @@ class FakeExtractor:
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     #: How many prompts are waiting at the gate right now.
     waiting: int = 0
+    metrics: ExtractorMetrics = field(default_factory=lambda: ExtractorMetrics("file"))
     #: Keys of every object written so far (some may have been removed since).
     written: list[str] = field(default_factory=list)
     closed: bool = False

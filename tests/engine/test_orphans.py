@@ -7,7 +7,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from service.engine.completion import Completion, CompletionReceiver, CompletionSender
+from service.engine.completion import CompletionReceiver, CompletionSender
+from service.engine.wire import Completion, StoredObject
+
+
+def landed(key: str) -> Completion:
+    """The completion of an object that was written."""
+    stored = StoredObject(
+        key=key, uri=f"file:///{key}", size=1, sha256="0", num_tokens=1, shape=(1,)
+    )
+    return Completion(key=key, stored=stored)
 
 
 async def test_close_delivers_sent_completions_of_abandoned_keys(tmp_path: Path) -> None:
@@ -25,7 +34,7 @@ async def test_close_delivers_sent_completions_of_abandoned_keys(tmp_path: Path)
         receiver.abandon(key)  # the request was cancelled before its object landed
     sender = CompletionSender(receiver.address)
     for key in ("a", "kept", "b", "c"):
-        sender.send(Completion(key=key, ok=True))
+        sender.send(landed(key))
     sender.close()  # lingers until sent, as the worker's does at engine shutdown
     # The receiving loop never ran: close alone must deliver what was sent.
     await receiver.close()
@@ -49,7 +58,7 @@ async def test_orphan_removals_are_awaited_by_close(tmp_path: Path) -> None:
     receiver.expect("late")
     receiver.abandon("late")
     sender = CompletionSender(receiver.address)
-    sender.send(Completion(key="late", ok=True))
+    sender.send(landed("late"))
     sender.close()
     await asyncio.wait_for(started.wait(), 10)  # the loop picked it up: removal under way
     closing = asyncio.ensure_future(receiver.close())

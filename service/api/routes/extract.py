@@ -29,9 +29,10 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import ApiState
-from service.engine.extractor import (
+from service.engine.errors import (
     EngineUnavailableError,
     InvalidPromptError,
+    InvalidStatesError,
     StorageWriteError,
 )
 
@@ -45,6 +46,10 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorBody, "description": "Body over the size limit"},
     422: {"model": ErrorBody, "description": "Invalid prompt or a limit exceeded"},
     429: {"model": ErrorBody, "description": "Too much work queued; retry after Retry-After"},
+    500: {
+        "model": PartialFailureBody,
+        "description": "States failed validation (invalid_hidden_states); nothing stored",
+    },
     502: {"model": PartialFailureBody, "description": "Some objects could not be written"},
     503: {"model": PartialFailureBody, "description": "Engine unavailable or shutting down"},
     504: {"model": ErrorBody, "description": "Request deadline passed; its work was aborted"},
@@ -287,6 +292,7 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
 _FAILURES: tuple[tuple[type[BaseException], str], ...] = (
     (EngineUnavailableError, "engine_unavailable"),
     (StorageWriteError, "storage_error"),
+    (InvalidStatesError, "invalid_hidden_states"),
     (InvalidPromptError, "invalid_request"),
 )
 
@@ -302,6 +308,8 @@ def _request_failure(errors: list[BaseException]) -> tuple[int, str]:
         return 503, "engine_unavailable"
     if "storage_error" in kinds:
         return 502, "storage_error"
+    if "invalid_hidden_states" in kinds:
+        return 500, "invalid_hidden_states"
     if kinds == {"invalid_request"}:
         return 422, "invalid_request"
     return 500, "internal_error"
@@ -326,7 +334,7 @@ def _outcome(index: int, outcome: Any) -> PromptOutcome:
 def _message(kind: str, error: BaseException) -> str:
     """What a client may read about a failed prompt: storage and internal details (paths,
     buckets, endpoints) go to the log only."""
-    if kind == "invalid_request":
+    if kind in ("invalid_request", "invalid_hidden_states"):  # about the prompt only
         return str(error) or kind
     log.warning("hsx: prompt failed (%s): %s", kind, error)
     return {
