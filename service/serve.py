@@ -36,9 +36,11 @@ def with_demo_model(settings: Settings, directory: Path = DEMO_MODEL_DIR) -> Set
     engine = settings.engine.model_copy(
         update={
             "model": str(directory.resolve()),
-            # Exact float32 and a small cache: the demo runs on any CPU.
+            # Exact float32 and a small cache: the demo runs on any CPU. Eager: compiling
+            # a 4-layer model buys nothing and costs about 40 s of start-up here.
             "dtype": "float32" if settings.engine.dtype == "auto" else settings.engine.dtype,
             "max_model_len": settings.engine.max_model_len or 2048,
+            "extra_args": {"enforce_eager": True, **settings.engine.extra_args},
         }
     )
     return settings.model_copy(update={"engine": engine})
