@@ -46,6 +46,11 @@ class ServerSettings(BaseModel):
     metrics_interval_s: float = Field(
         15.0, gt=0, description="Seconds between samples of the workers' memory."
     )
+    debug_log: Path = Field(
+        Path("var/log/hsx-debug.log"),
+        description="File that `hsx serve` writes every log record and traceback to "
+        "(replaced at each start); the console gets short lines.",
+    )
 
     @field_validator("host")
     @classmethod
