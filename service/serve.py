@@ -75,6 +75,12 @@ def serve(settings: Settings) -> int:
         log.debug("hsx: start-up failed", exc_info=True)
         console.error(err.line)
         return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a failure no check foresaw: still one line, no traceback
+        log.debug("hsx: failed", exc_info=True)
+        console.error(startup.one_line(f"hsx: error: {type(exc).__name__}: {exc}; see {path}"))
+        return 1
 
 
 def _serve(settings: Settings) -> int:

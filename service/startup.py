@@ -42,7 +42,7 @@ class StartupError(Exception):
     def line(self) -> str:
         """``hsx: error: <setting> (<HSX_ variable>): <problem>; <fix>`` on one line."""
         where = f"{self.setting} ({env_name(self.setting)}): " if self.setting else ""
-        return _one_line(f"hsx: error: {where}{self.problem}; {self.fix}")
+        return one_line(f"hsx: error: {where}{self.problem}; {self.fix}")
 
 
 def env_name(setting: str) -> str:
@@ -50,7 +50,8 @@ def env_name(setting: str) -> str:
     return ENV_PREFIX + setting.upper().replace(".", "__")
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace, newlines included, as one space."""
     return " ".join(text.split())
 
 
@@ -283,7 +284,7 @@ def _root_cause(exc: BaseException, log_text: str) -> str:
     if "See root cause above" in text or "initialization failed" in text:
         lines = [m for m in _EXCEPTION_LINE.finditer(log_text) if "See root cause" not in m[0]]
         if lines:
-            return _one_line(f"{lines[0][1]}: {lines[0][2]}")
+            return one_line(f"{lines[0][1]}: {lines[0][2]}")
     cause: BaseException = exc
     while cause.__cause__ is not None:
         cause = cause.__cause__

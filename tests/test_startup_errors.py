@@ -197,3 +197,45 @@ def test_kv_cache_too_small_for_max_model_len(tmp_path: Path) -> None:
     # The whole story is in the debug log, tracebacks of the engine's processes included.
     assert "Traceback (most recent call last)" in run.debug_log
     assert "To serve at least one request" in run.debug_log
+
+
+def vllm_kv_check_error(available: int, needed: int, fits: int) -> str:
+    """The message vLLM's own check raises (``_check_enough_kv_cache_memory``)."""
+    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+
+    with pytest.raises(ValueError, match="memory") as caught:
+        _check_enough_kv_cache_memory(available, lambda: needed, 4096, lambda _: fits)
+    return str(caught.value)
+
+
+def test_engine_messages_become_the_setting_to_change() -> None:
+    from service.startup import from_engine
+
+    gib = 1024**3
+    died = RuntimeError("Engine core initialization failed. See root cause above.")
+    message = vllm_kv_check_error(gib, 3 * gib, 1300)
+    log = f"ERROR ... EngineCore failed to start.\nValueError: {message}"
+    on_cpu = from_engine(died, log, on_cpu=True)
+    assert on_cpu.exit_code == 1
+    assert on_cpu.line == (
+        "hsx: error: engine.cpu_kvcache_space_gib (HSX_ENGINE__CPU_KVCACHE_SPACE_GIB): a KV "
+        "cache of 1.0 GiB cannot hold one sequence of max_model_len 4096 tokens (3.0 GiB "
+        "needed); raise HSX_ENGINE__CPU_KVCACHE_SPACE_GIB or HSX_ENGINE__MAX_MODEL_LEN=1300 "
+        "or less"
+    )
+    on_gpu = from_engine(died, log, on_cpu=False)
+    assert on_gpu.setting == "engine.gpu_memory_utilization"
+    nothing = from_engine(died, f"ValueError: {vllm_kv_check_error(0, gib, 0)}", True)
+    assert nothing.setting == "engine.cpu_kvcache_space_gib"
+    assert "too small for a single block" in nothing.line
+
+
+def test_an_unforeseen_engine_error_still_names_what_it_can() -> None:
+    from service.startup import from_engine
+
+    died = RuntimeError("Engine core initialization failed. See root cause above.")
+    log = "noise\npydantic_core.ValidationError: max_num_batched_tokens (8) is smaller than x\n"
+    error = from_engine(died, log, on_cpu=True)
+    assert error.setting == "engine.max_num_batched_tokens"
+    assert "ValidationError: max_num_batched_tokens (8) is smaller than x" in error.line
+    assert "\n" not in error.line
