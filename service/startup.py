@@ -75,8 +75,11 @@ def check_environment(environ: Mapping[str, str], model: type[BaseModel]) -> Non
     known = {env_name(path) for path in setting_paths(model)}
     # Whole sections may be given as JSON (HSX_STORAGE='{"url": ...}').
     known |= {env_name(path.rsplit(".", 1)[0]) for path in setting_paths(model) if "." in path}
+    # Keys of a dict setting may be given one by one (HSX_ENGINE__EXTRA_ARGS__SEED=1).
+    dicts = tuple(env_name(path) + "__" for path in setting_paths(model) if _is_dict(model, path))
     for name in sorted(environ):
-        if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in known and not upper.startswith(dicts):
             close = difflib.get_close_matches(name.upper(), known, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise StartupError(
@@ -84,6 +87,14 @@ def check_environment(environ: Mapping[str, str], model: type[BaseModel]) -> Non
                 f"{name} is not a setting",
                 f"{hint}fix or unset it (`hsx config` prints every setting)",
             )
+
+
+def _is_dict(model: type[BaseModel], path: str) -> bool:
+    *sections, leaf = path.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation  # type: ignore[assignment]
+    kind = model.model_fields[leaf].annotation
+    return kind is dict or getattr(kind, "__origin__", None) is dict
 
 
 def from_validation(exc: ValidationError | SettingsError) -> StartupError:
