@@ -33,7 +33,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 180) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 600) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, "hsx serve exited during start-up"
