@@ -45,6 +45,10 @@ class MaskError(ValueError):
     """No trustworthy loss mask can be derived for this conversation."""
 
 
+class NoSupervisedTokensError(MaskError):
+    """The mask would supervise no token at all."""
+
+
 @dataclass(frozen=True)
 class MaskedPrompt:
     """A rendered conversation and its supervised token ranges ``[start, end)``."""
@@ -125,11 +129,13 @@ def compute(
     loss: LossMode,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    allow_empty: bool = False,
 ) -> MaskedPrompt:
     """The token ids of ``messages`` and the mask ``loss`` asks for.
 
     ``assistant``: every assistant turn; ``last_turn``: the final assistant turn;
-    ``all``: every token. Raises MaskError (unstable template, no supervised token)
+    ``all``: every token. Raises MaskError (unstable template), NoSupervisedTokensError
+    (unless ``allow_empty``: the caller supervises other tokens, e.g. generated ones)
     and ValueError for ``none`` (no mask is wanted then).
     """
     if loss == "none" or loss not in LOSS_MODES:
@@ -143,8 +149,8 @@ def compute(
         masked = _from_markers(tokenizer, messages, loss, tools)
     else:
         masked = _from_boundaries(tokenizer, messages, loss, tools)
-    if not masked.num_loss_tokens:
-        raise MaskError(_no_tokens_reason(messages, loss, masked.method))
+    if not masked.num_loss_tokens and not allow_empty:
+        raise NoSupervisedTokensError(_no_tokens_reason(messages, loss, masked.method))
     return masked
 
 

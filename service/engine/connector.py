@@ -75,6 +75,7 @@ class PendingSave:
     token_ids: list[int]
     block_ids: list[int]
     metadata: dict[str, str]
+    loss_spans: list[tuple[int, int]] | None = None  # supervised [start, end) ranges
 
 
 @dataclass
@@ -106,6 +107,30 @@ def slot_indices(block_ids: list[int], block_size: int, num_tokens: int) -> tupl
     positions = torch.arange(num_tokens, dtype=torch.long)
     blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
     return blocks, positions % block_size
+
+
+def loss_spans(
+    params: dict[str, Any], num_prompt: int, num_stored: int
+) -> list[tuple[int, int]] | None:
+    """The request's supervised ranges over the stored tokens, or None (no mask asked).
+
+    Generated tokens that have states count as supervised.
+    """
+    spans = params.get("loss_spans")
+    if spans is None:
+        return None
+    result = [(int(start), int(end)) for start, end in spans]
+    if num_stored > num_prompt:
+        result.append((num_prompt, num_stored))
+    return result
+
+
+def loss_mask(spans: list[tuple[int, int]], num_tokens: int) -> torch.Tensor:
+    """uint8 [num_tokens]: 1 on the supervised ranges."""
+    mask = torch.zeros(num_tokens, dtype=torch.uint8)
+    for start, end in spans:
+        mask[start:end] = 1
+    return mask
 
 
 class HsxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -177,9 +202,9 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             token_ids = list(request.prompt_token_ids or [])
         metadata = {**self._base_metadata}
         metadata.update({k: v for k, v in params.get("metadata", {}).items() if k not in metadata})
-        self._ready.append(
-            PendingSave(request.request_id, params["key"], token_ids, list(block_ids), metadata)
-        )
+        save = PendingSave(request.request_id, params["key"], token_ids, list(block_ids), metadata)
+        save.loss_spans = loss_spans(params, len(request.prompt_token_ids or []), len(token_ids))
+        self._ready.append(save)
         self._held.add(request.request_id)
         return True, None
 
@@ -297,6 +322,8 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         blocks, offsets = slot_indices(save.block_ids, self._block_size, len(save.token_ids))
         token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
         job = WriteJob(save.key, None, token_ids, save.metadata, nbytes, 0.0, in_flight)
+        if save.loss_spans is not None:
+            job.loss_mask = loss_mask(save.loss_spans, len(save.token_ids))
         if self._cache.is_cuda:
             self._copying[save.req_id] = self._copy_out_cuda(job, blocks, offsets)
         else:

@@ -8,6 +8,7 @@ carry server-made ids and keys; nothing from a client reaches ``kv_transfer_para
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import tempfile
 import uuid
@@ -58,6 +59,7 @@ class Extraction:
     copy_s: float = 0.0  # copy-out from the KV cache to host memory
     write_s: float = 0.0  # serialise and write to storage
     bytes_in_flight: int = 0  # the writer's in-flight bytes right after this copy-out
+    num_loss_tokens: int | None = None  # supervised tokens, when a loss mask was stored
 
 
 class Extractor:
@@ -137,17 +139,22 @@ class Extractor:
         max_tokens: int = 1,
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
+        loss_spans: Sequence[tuple[int, int]] | None = None,
+        key: str | None = None,
     ) -> Extraction:
         """Run one prompt; return its object once durable.
 
+        ``loss_spans`` (supervised ``[start, end)`` ranges of the prompt) stores a
+        ``loss_mask``; ``key`` replaces the random key (a server-made deterministic one).
         Raises InvalidPromptError, StorageWriteError, EngineUnavailableError. If the
         caller is cancelled, the engine request is aborted and no object remains.
         """
-        key = new_object_key(self.settings.storage.key_prefix, namespace)
+        key = key or new_object_key(self.settings.storage.key_prefix, namespace)
+        extra = {"loss_spans": [list(s) for s in loss_spans]} if loss_spans is not None else {}
         waiter = self._receiver.expect(key)
         try:
             output = await self._generate(
-                key, list(prompt_token_ids), max_tokens, include_output_tokens, metadata
+                key, list(prompt_token_ids), max_tokens, include_output_tokens, metadata, extra
             )
             completion = await waiter
         except BaseException:
@@ -156,7 +163,12 @@ class Extractor:
         self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, completion.bytes_in_flight)
         if not completion.ok:
             raise StorageWriteError(completion.error)
-        return _extraction(completion, output)
+        result = _extraction(completion, output)
+        if loss_spans is not None:
+            generated = result.num_tokens - result.prompt_tokens  # generated, with states
+            supervised = sum(end - start for start, end in loss_spans) + generated
+            result = dataclasses.replace(result, num_loss_tokens=supervised)
+        return result
 
     async def _generate(
         self,
@@ -165,6 +177,7 @@ class Extractor:
         max_tokens: int,
         include_output_tokens: bool,
         metadata: Mapping[str, str] | None,
+        extra: Mapping[str, Any],
     ) -> Any:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -179,6 +192,7 @@ class Extractor:
                     "key": key,
                     "include_output_tokens": include_output_tokens,
                     "metadata": dict(metadata or {}),
+                    **extra,
                 }
             },
         )

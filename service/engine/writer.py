@@ -37,6 +37,7 @@ class WriteJob:
     nbytes: int
     copy_s: float
     bytes_in_flight: int
+    loss_mask: Any = None  # uint8 [num_tokens], when the request asked for one
     wait_ready: Callable[[], None] = field(default=lambda: None)  # e.g. a CUDA event
     release: Callable[[], None] = field(default=lambda: None)  # e.g. return a pinned buffer
 
@@ -102,7 +103,7 @@ class WriterPool:
             try:
                 await asyncio.to_thread(job.wait_ready)
                 data = await asyncio.to_thread(
-                    serialize, job.hidden_states, job.token_ids, job.metadata
+                    serialize, job.hidden_states, job.token_ids, job.metadata, job.loss_mask
                 )
                 job.release()
                 ref = await self._storage.put(job.key, data)

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
+from service.api.loss import PromptSpans, loss_spans
 from service.api.prompts import check_request_limits, tokenize_all
 from service.api.schemas import (
     ErrorBody,
@@ -55,10 +56,10 @@ async def extract(
 ) -> ExtractResponse:
     """Extract the hidden states of every prompt; one object per prompt."""
     assert state.metrics is not None
-    token_ids = await admit(state, body)
+    token_ids, spans = await admit(state, body)
     started = time.monotonic()
     try:
-        work = run_prompts(state, body, token_ids, namespace)
+        work = run_prompts(state, body, token_ids, namespace, spans)
         outcomes = await guard(request, work, state.settings.limits.request_timeout_s)
     except ApiError as error:  # disconnected or past the deadline: the work was aborted
         reason = "disconnect" if error.status == 499 else "deadline"
@@ -73,13 +74,14 @@ async def extract(
     return respond(state, outcomes)
 
 
-async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
-    """Checks before the engine: limits, serving state, token ids, queue room."""
+async def admit(state: ApiState, body: ExtractRequest) -> tuple[list[list[int]], list[PromptSpans]]:
+    """Checks before the engine: limits, serving state, token ids, masks, queue room."""
     assert state.metrics is not None
     try:
         check_request_limits(body, state.settings.limits)
         ensure_serving(state)
         token_ids: list[list[int]] = await prompt_token_ids(state, body)
+        spans = await prompt_loss_spans(state, body, token_ids)
         if not state.admission.try_admit(len(token_ids)):
             raise ApiError(
                 429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
@@ -87,7 +89,15 @@ async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
     except ApiError as error:
         state.metrics.rejected(error.detail.type)
         raise
-    return token_ids
+    return token_ids, spans
+
+
+async def prompt_loss_spans(
+    state: ApiState, body: ExtractRequest, token_ids: list[list[int]]
+) -> list[PromptSpans]:
+    """Each prompt's supervised ranges (``loss``); renders, so off the event loop."""
+    compute = partial(loss_spans, body, state.extractor.tokenizer, token_ids)
+    return compute() if body.loss == "none" else await run_in_threadpool(compute)
 
 
 def outcome_of(outcomes: list[Any]) -> str:
@@ -148,7 +158,11 @@ def ensure_serving(state: ApiState) -> None:
 
 
 async def run_prompts(
-    state: ApiState, body: ExtractRequest, token_ids: list[list[int]], namespace: str
+    state: ApiState,
+    body: ExtractRequest,
+    token_ids: list[list[int]],
+    namespace: str,
+    spans: list[PromptSpans],
 ) -> list[Any]:
     """Every prompt concurrently; an outcome per prompt (an Extraction or the error)."""
     tasks = [
@@ -159,9 +173,10 @@ async def run_prompts(
                 max_tokens=body.max_tokens,
                 include_output_tokens=body.include_output_tokens,
                 metadata=body.metadata,
+                loss_spans=prompt_spans,
             )
         )
-        for ids in token_ids
+        for ids, prompt_spans in zip(token_ids, spans, strict=True)
     ]
     try:
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -224,6 +239,7 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
                 shape=list(o.shape),
                 bytes=o.size,
                 sha256=o.sha256,
+                num_loss_tokens=o.num_loss_tokens,
             )
             for i, o in enumerate(outcomes)
         ],
