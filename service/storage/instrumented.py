@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from service.metrics import StorageMetrics
-from service.storage.base import ObjectRef, Storage, StorageError
+from service.storage.base import ObjectPage, ObjectRef, Storage, StorageError
 
 
 class InstrumentedStorage(Storage):
@@ -75,6 +75,10 @@ class InstrumentedStorage(Storage):
     async def ping(self) -> None:
         async with self._observe("ping"):
             await self.inner.ping()
+
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        async with self._observe("list"):
+            return await self.inner.list(prefix, limit=limit, after=after)
 
     async def close(self) -> None:
         self._metrics.retries.remove(self.inner)

@@ -43,6 +43,28 @@ def validate_key(key: str) -> str:
     return key
 
 
+def validate_key_prefix(prefix: str) -> str:
+    """Return ``prefix`` if some valid key could start with it, else raise InvalidKeyError.
+
+    Empty, or ``/``-separated segments as in keys, the last of which may be partial or
+    empty (``"hsx/team-a/"``, ``"hsx/team-a/2026/1"``).
+    """
+    if not isinstance(prefix, str):
+        raise InvalidKeyError("prefix must be a string", key=str(prefix))
+    if not prefix:
+        return prefix
+    if prefix.startswith("/"):
+        raise InvalidKeyError("prefix must be relative", key=prefix[:64])
+    head, _, last = prefix.rpartition("/")
+    if head:
+        validate_key(head)
+    if last and not _SEGMENT.fullmatch(last):
+        raise InvalidKeyError(f"prefix segment {last[:64]!r} is not allowed", key=prefix[:64])
+    if len(prefix.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"prefix is longer than {MAX_KEY_BYTES} bytes", key=prefix[:64])
+    return prefix
+
+
 def validate_namespace(namespace: str) -> str:
     """Return ``namespace`` if valid: 1-64 of ``[a-z0-9_-]``, alphanumeric at both ends."""
     if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
