@@ -85,6 +85,12 @@ def new_object_key(prefix: str, namespace: str, *, now: datetime | None = None) 
     return validate_key("/".join(parts))
 
 
+def namespace_root(prefix: str, namespace: str) -> str:
+    """The key prefix every object of ``namespace`` starts with (``hsx/team-a/``)."""
+    validate_namespace(namespace)
+    return f"{prefix}/{namespace}/" if prefix else f"{namespace}/"
+
+
 def namespace_of(key: str, prefix: str) -> str | None:
     """The namespace a valid key of ours belongs to, or None if it is not one of ours."""
     try:
