@@ -147,6 +147,9 @@ class ExtractMetrics:
                 if isinstance(item, StorageWriteError):  # the worker's write failed
                     self._storage_errors.labels(self.backend, "put", "write").inc()
                 continue
+            if getattr(item, "found", False):  # stored before (custom_id): nothing written
+                self.prompts.labels("found").inc()
+                continue
             self.prompts.labels("ok").inc()
             self.tokens.inc(item.num_tokens)
             self.bytes.labels(self.backend).inc(item.size)

@@ -23,7 +23,7 @@ from service.engine.completion import Completion, CompletionReceiver
 from service.engine.connector import REQUEST_ARG
 from service.storage import Storage
 from service.storage import storage_factory as open_storage_with
-from service.storage.keys import new_object_key
+from service.storage.keys import is_idempotent_key, new_object_key
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,12 @@ class Extractor:
         return final
 
     async def _remove_orphan(self, completion: Completion) -> None:
-        """A cancelled request's object was written anyway: remove it."""
-        if completion.ok:
+        """A cancelled request's object was written anyway: remove it.
+
+        Except under an idempotent key: the object is complete, and what a retry of
+        the prompt looks for.
+        """
+        if completion.ok and not is_idempotent_key(completion.key):
             with contextlib.suppress(Exception):
                 await self._storage.delete(completion.key)
 

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
+from service.api.idempotency import Found, IdempotencyConflictError, extract_once
 from service.api.loss import PromptSpans, loss_spans
 from service.api.prompts import check_request_limits, tokenize_all
 from service.api.schemas import (
@@ -31,6 +32,7 @@ from service.api.schemas import (
 from service.api.state import ApiState
 from service.engine.extractor import (
     EngineUnavailableError,
+    Extraction,
     InvalidPromptError,
     StorageWriteError,
 )
@@ -41,6 +43,7 @@ access_log = logging.getLogger("hsx.requests")
 
 RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or invalid API key"},
+    409: {"model": PartialFailureBody, "description": "A custom_id's object holds other tokens"},
     413: {"model": ErrorBody, "description": "Body over the size limit"},
     422: {"model": ErrorBody, "description": "Invalid prompt or a limit exceeded"},
     429: {"model": ErrorBody, "description": "Too much work queued; retry after Retry-After"},
@@ -166,17 +169,8 @@ async def run_prompts(
 ) -> list[Any]:
     """Every prompt concurrently; an outcome per prompt (an Extraction or the error)."""
     tasks = [
-        asyncio.ensure_future(
-            state.extractor.extract(
-                ids,
-                namespace=namespace,
-                max_tokens=body.max_tokens,
-                include_output_tokens=body.include_output_tokens,
-                metadata=body.metadata,
-                loss_spans=prompt_spans,
-            )
-        )
-        for ids, prompt_spans in zip(token_ids, spans, strict=True)
+        asyncio.ensure_future(run_prompt(state, body, index, ids, prompt_spans, namespace))
+        for index, (ids, prompt_spans) in enumerate(zip(token_ids, spans, strict=True))
     ]
     try:
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -185,6 +179,29 @@ async def run_prompts(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_prompt(
+    state: ApiState,
+    body: ExtractRequest,
+    index: int,
+    ids: list[int],
+    spans: PromptSpans,
+    namespace: str,
+) -> Extraction:
+    """One prompt's object; with a custom_id, found or made at most once."""
+    options: dict[str, Any] = {
+        "namespace": namespace,
+        "max_tokens": body.max_tokens,
+        "include_output_tokens": body.include_output_tokens,
+        "metadata": body.metadata,
+        "loss_spans": spans,
+    }
+    custom_id = getattr(body.prompts[index], "custom_id", None)
+    if custom_id is None:
+        made: Extraction = await state.extractor.extract(ids, **options)
+        return made
+    return await extract_once(state, body, custom_id, ids, **options)
 
 
 async def guard(request: Request, work: Awaitable[T], deadline_s: float) -> T:
@@ -240,6 +257,7 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
                 bytes=o.size,
                 sha256=o.sha256,
                 num_loss_tokens=o.num_loss_tokens,
+                status="found" if isinstance(o, Found) else "created",
             )
             for i, o in enumerate(outcomes)
         ],
@@ -252,6 +270,7 @@ _FAILURES: tuple[tuple[type[BaseException], str], ...] = (
     (EngineUnavailableError, "engine_unavailable"),
     (StorageWriteError, "storage_error"),
     (InvalidPromptError, "invalid_request"),
+    (IdempotencyConflictError, "conflict"),
 )
 
 
@@ -268,6 +287,8 @@ def _request_failure(errors: list[BaseException]) -> tuple[int, str]:
         return 502, "storage_error"
     if kinds == {"invalid_request"}:
         return 422, "invalid_request"
+    if kinds <= {"invalid_request", "conflict"}:
+        return 409, "conflict"
     return 500, "internal_error"
 
 
