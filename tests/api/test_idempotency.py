@@ -50,8 +50,9 @@ def assert_runs(client: httpx.Client, expected: float) -> None:
 
 
 def by_id(root: Path) -> set[Path]:
+    """Published objects under idempotent keys (not the writers' temp files)."""
     base = root / "hsx" / "team-a" / "by-id"
-    return {p for p in base.rglob("*") if p.is_file()} if base.exists() else set()
+    return set(base.rglob("[0-9a-f]*.safetensors")) if base.exists() else set()
 
 
 def test_same_request_twice(client: httpx.Client, local_engine: ServerThread) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from service.config import StorageSettings
 from service.storage import ObjectRef, Storage, StorageError, open_storage
+from service.storage.base import ObjectPage
 
 
 class FaultyStorage(Storage):
@@ -46,6 +47,9 @@ class FaultyStorage(Storage):
 
     async def ping(self) -> None:
         await self.inner.ping()
+
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        return await self.inner.list(prefix, limit=limit, after=after)
 
     async def close(self) -> None:
         await self.inner.close()
