@@ -6,6 +6,7 @@ Real engine, real uvicorn, local disk. How often the engine ran is read from vLL
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import signal
@@ -83,6 +84,11 @@ def test_same_request_twice(client: httpx.Client, local_engine: ServerThread) ->
         keep = ("key", "uri", "bytes", "sha256", "num_tokens", "shape", "num_loss_tokens")
         assert {k: new[k] for k in keep} == {k: old[k] for k in keep}
     assert again[2]["key"] != created[2]["key"]
+    for obj in again[:2]:  # the found objects read back like any other
+        fetched = client.get(f"/objects/{obj['key']}", headers=AUTH_A)
+        assert fetched.status_code == 200
+        assert hashlib.sha256(fetched.content).hexdigest() == obj["sha256"]
+        assert int(load(fetched.content)["loss_mask"].sum()) == obj["num_loss_tokens"]
     assert_runs(client, before + 4)  # only the prompt without a custom_id ran again
     assert len(by_id(root) - files) == 2
 
