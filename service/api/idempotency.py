@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from service.api.schemas import ExtractRequest
+from service.api.state import ApiState
 from service.engine.extractor import Extraction, ExtractionError, StorageWriteError
 from service.storage import NotFoundError, Storage
 from service.storage.keys import idempotent_key
@@ -35,10 +37,15 @@ class IdempotencyConflictError(ExtractionError):
 
 
 async def extract_once(
-    state: Any, body: Any, custom_id: str, token_ids: list[int], **kwargs: Any
+    state: ApiState, body: ExtractRequest, custom_id: str, token_ids: list[int], **kwargs: Any
 ) -> Extraction:
-    """The prompt's object: found under its key, or made now (at most once)."""
+    """The prompt's object: found under its key, or made now (at most once).
+
+    ``kwargs`` are ``Extractor.extract``'s. Raises what it raises, and
+    IdempotencyConflictError when the stored object holds other token ids.
+    """
     extractor = state.extractor
+    assert state.storage is not None
     key = idempotent_key(
         state.settings.storage.key_prefix,
         kwargs["namespace"],
@@ -93,8 +100,15 @@ class _Check:
             data = await self.storage.get(self.key)
         except NotFoundError:
             return None
-        header, tensors = _read_header(data)
-        stored = _tensor(data, header, tensors, "token_ids", "<q")
+        try:
+            header, tensors = _read_header(data)
+            stored = _tensor(data, header, tensors, "token_ids", "<q")
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            raise IdempotencyConflictError(
+                f"custom_id {self.custom_id[:64]!r}: the object stored under its key "
+                f"{self.key} is not a readable hidden-state object ({exc}); it was not "
+                "overwritten"
+            ) from exc
         prompt = len(self.token_ids)
         if stored[:prompt] != list(self.token_ids) or (
             not self.with_output and len(stored) != prompt
