@@ -10,30 +10,27 @@ writer, which then returns the first one's object.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from service.api.schemas import ExtractRequest
 from service.api.state import ApiState
-from service.engine.extractor import Extraction, ExtractionError, StorageWriteError
+from service.engine.errors import IdempotencyConflictError, StorageWriteError
+from service.engine.wire import Extraction
 from service.storage import NotFoundError, Storage
 from service.storage.keys import idempotent_key
 
+__all__ = ["Found", "IdempotencyConflictError", "as_found", "extract_once"]
 
-@dataclass(frozen=True)
+
 class Found(Extraction):
     """An object stored earlier under the prompt's key; the engine did not run for it."""
 
-    found: bool = True
-
-
-class IdempotencyConflictError(ExtractionError):
-    """The object under the prompt's key holds other token ids than the prompt's."""
+    found: Literal[True] = True
 
 
 async def extract_once(
@@ -82,8 +79,7 @@ def as_found(extraction: Extraction) -> Found:
     """``extraction`` as seen by a caller that did not make it."""
     if isinstance(extraction, Found):
         return extraction
-    fields = {f.name: getattr(extraction, f.name) for f in dataclasses.fields(Extraction)}
-    return Found(**fields)
+    return Found(**extraction.model_dump())
 
 
 @dataclass

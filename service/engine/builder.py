@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config import Settings
+from service.engine.wire import ConnectorConfig
 
 CONNECTOR_CLASS = "HsxConnector"
 CONNECTOR_MODULE = "service.engine.connector"
@@ -83,13 +84,13 @@ def engine_args(
     if prefix_caching is None:
         # Hybrid prefix caching takes a Mamba "align" path through Triton: GPU only.
         prefix_caching = not (info.hybrid and on_cpu)
-    extra = {
-        "model_name": info.name,
-        "completion_address": completion_address,
-        "storage": settings.storage.model_dump(mode="json"),
-        "max_bytes_in_flight": settings.limits.max_bytes_in_flight,
-        "storage_factory": storage_factory,
-    }
+    connector = ConnectorConfig(
+        model_name=info.name,
+        completion_address=completion_address,
+        storage=settings.storage,
+        max_bytes_in_flight=settings.limits.max_bytes_in_flight,
+        storage_factory=storage_factory,
+    )
     return AsyncEngineArgs(
         model=engine.model,
         served_model_name=[info.name],
@@ -108,7 +109,7 @@ def engine_args(
             kv_connector=CONNECTOR_CLASS,
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_producer",
-            kv_connector_extra_config=extra,
+            kv_connector_extra_config=connector.to_extra_config(),
         ),
         **{"worker_extension_cls": WORKER_EXTENSION, **engine.extra_args},
     )

@@ -11,8 +11,12 @@ A backend stores opaque bytes under server-made keys. Its contract:
 * ``ping`` raises :class:`StorageUnavailableError` when the store cannot be reached.
 * Blocking work runs on the backend's own thread pool, never on the event loop.
 
-Backends never record metrics: :class:`service.storage.instrumented.InstrumentedStorage`
-wraps each one. The contract test suite in ``tests/storage/contract.py`` pins all of it.
+Backends never record metrics: :func:`service.storage.open_storage` wraps each one in
+:class:`service.storage.instrumented.InstrumentedStorage`, which reports every call as a
+:class:`StorageOp` to a :class:`StorageObserver`. Optional features (a presigned URL, a
+streamed read) are methods of this interface with a default, so callers never need to
+know which backend, or which wrapper, they hold. The contract test suite in
+``tests/storage/contract.py`` pins all of it.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ import abc
 import asyncio
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 _T = TypeVar("_T")
 CHUNK = 8 * 1024 * 1024
@@ -57,6 +61,40 @@ class ObjectPage:
 
     objects: tuple[ObjectInfo, ...]
     next_after: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageOp:
+    """One storage call as the metrics wrapper saw it (plain data: it crosses processes)."""
+
+    backend: str
+    operation: str
+    seconds: float
+    written: int = 0
+    read: int = 0
+    error: str | None = None
+    """The failure's :attr:`StorageError.kind` (``internal`` for other exceptions)."""
+    retries: int = 0
+    """Client retries (S3: botocore attempts) made since the previous call was reported."""
+
+
+class StorageObserver(Protocol):
+    """Receives every storage call of an instrumented backend."""
+
+    def observe(self, op: StorageOp) -> None:
+        """Record ``op``; called from any thread, must not block."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectReader:
+    """An object opened for a streamed read: its size and its bytes in pieces."""
+
+    size: int
+    chunks: AsyncIterator[bytes]
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 class StorageError(Exception):
@@ -205,6 +243,29 @@ class Storage(abc.ABC):
     def retries(self) -> int:
         """Retries the backend's client has made so far (monotonic); 0 if it never retries."""
         return 0
+
+    # -- optional features: defaults that work for any backend -------------------------
+
+    async def exists(self, key: str) -> bool:
+        """Whether an object exists under ``key``, without reading or checksumming it."""
+        try:
+            await self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    async def open_read(self, key: str) -> ObjectReader:
+        """Open the object for a streamed read. Raises NotFoundError.
+
+        The default reads it whole; a backend that can stream (local files) does.
+        """
+        data = await self.get(key)
+        return ObjectReader(len(data), _once(data))
+
+    def presigned_url(self, key: str) -> str | None:
+        """A short-lived URL a client can GET the object from directly; None if the
+        backend has no such thing (then read it with ``open_read``)."""
+        return None
 
 
 class ThreadedStorage(Storage):

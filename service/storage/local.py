@@ -16,19 +16,22 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from service.config import StorageSettings
 from service.storage.base import (
+    CHUNK,
     AlreadyExistsError,
     InvalidKeyError,
     NotFoundError,
     ObjectInfo,
     ObjectPage,
+    ObjectReader,
     ObjectRef,
     Source,
     StorageError,
@@ -106,6 +109,34 @@ class LocalStorage(ThreadedStorage):
 
     def uri(self, key: str) -> str:
         return self.path_for(key).as_uri()
+
+    # -- optional features ------------------------------------------------------------
+
+    async def exists(self, key: str) -> bool:
+        """A stat, not ``head``'s full-file checksum."""
+        path = self.path_for(key)
+        return await self._run(path.is_file)
+
+    async def open_read(self, key: str) -> ObjectReader:
+        """Stream the file in pieces read on the backend's threads."""
+        file = await self._run(self._open, key)
+        return ObjectReader(os.fstat(file.fileno()).st_size, self._pieces(file))
+
+    def _open(self, key: str) -> BinaryIO:
+        path = self.path_for(key)
+        if not path.is_file():
+            raise NotFoundError("no object under this key", operation="get", key=key)
+        try:
+            return open(path, "rb")  # closed by _pieces
+        except OSError as exc:
+            raise _os_error(exc, "get", key) from exc
+
+    async def _pieces(self, file: BinaryIO) -> AsyncIterator[bytes]:
+        try:
+            while piece := await self._run(file.read, CHUNK):
+                yield piece
+        finally:
+            file.close()
 
     # -- blocking work ------------------------------------------------------------------
 

@@ -132,7 +132,7 @@ class S3Storage(ThreadedStorage):
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.object_name(key)}"
 
-    def presign_get(self, key: str) -> str:
+    def presigned_url(self, key: str) -> str:
         """A short-lived GET URL for ``key`` (lifetime: ``presign_expiry_s``)."""
         return str(
             self.client.generate_presigned_url(

@@ -72,6 +72,23 @@ class StorageContract:
         with pytest.raises(NotFoundError):
             await storage.head(key)
 
+    async def test_exists_tells_present_from_missing(self, storage: Storage) -> None:
+        key = fresh_key()
+        assert not await storage.exists(key)
+        await storage.put(key, b"here")
+        assert await storage.exists(key)
+        await storage.delete(key)
+        assert not await storage.exists(key)
+
+    async def test_open_read_streams_the_whole_object(self, storage: Storage) -> None:
+        data, key = payload(BIG, seed=3), fresh_key()
+        await storage.put(key, data)
+        reader = await storage.open_read(key)
+        assert reader.size == BIG
+        assert b"".join([piece async for piece in reader.chunks]) == data
+        with pytest.raises(NotFoundError):
+            await storage.open_read(fresh_key())
+
     async def test_delete_is_idempotent(self, storage: Storage) -> None:
         key = fresh_key()
         await storage.put(key, b"x" * 10)

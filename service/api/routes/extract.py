@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
-from service.api.idempotency import Found, IdempotencyConflictError, extract_once
+from service.api.idempotency import Found, extract_once
 from service.api.loss import PromptSpans, loss_spans
 from service.api.prompts import check_request_limits, tokenize_all
 from service.api.schemas import (
@@ -30,12 +30,8 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import ApiState
-from service.engine.extractor import (
-    EngineUnavailableError,
-    Extraction,
-    InvalidPromptError,
-    StorageWriteError,
-)
+from service.engine.errors import FAILURES, ExtractionError
+from service.engine.wire import Extraction
 
 router = APIRouter()
 T = TypeVar("T")
@@ -47,6 +43,10 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorBody, "description": "Body over the size limit"},
     422: {"model": ErrorBody, "description": "Invalid prompt or a limit exceeded"},
     429: {"model": ErrorBody, "description": "Too much work queued; retry after Retry-After"},
+    500: {
+        "model": PartialFailureBody,
+        "description": "States failed validation (invalid_hidden_states); nothing stored",
+    },
     502: {"model": PartialFailureBody, "description": "Some objects could not be written"},
     503: {"model": PartialFailureBody, "description": "Engine unavailable or shutting down"},
     504: {"model": ErrorBody, "description": "Request deadline passed; its work was aborted"},
@@ -234,7 +234,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
-    """200 when every object is durable; else 502/503/422 listing every prompt's fate."""
+    """200 when every object is durable; else 4xx/5xx listing every prompt's fate."""
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     if errors:
         raise _partial_failure(outcomes, errors)
@@ -265,31 +265,19 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
     )
 
 
-#: Per-prompt failures: exception, its error type, and the request status it implies.
-_FAILURES: tuple[tuple[type[BaseException], str], ...] = (
-    (EngineUnavailableError, "engine_unavailable"),
-    (StorageWriteError, "storage_error"),
-    (InvalidPromptError, "invalid_request"),
-    (IdempotencyConflictError, "conflict"),
-)
+#: Error types, most severe first, and the request status each implies.
+_SEVERITY = [error.error_type for error in FAILURES]
+_STATUS = {error.error_type: error.status for error in FAILURES}
 
 
 def _kind(error: BaseException) -> str:
-    return next((kind for cls, kind in _FAILURES if isinstance(error, cls)), "internal_error")
+    return error.error_type if isinstance(error, ExtractionError) else "internal_error"
 
 
 def _request_failure(errors: list[BaseException]) -> tuple[int, str]:
-    """The status and type of a request some of whose prompts failed."""
-    kinds = {_kind(e) for e in errors}
-    if "engine_unavailable" in kinds:
-        return 503, "engine_unavailable"
-    if "storage_error" in kinds:
-        return 502, "storage_error"
-    if kinds == {"invalid_request"}:
-        return 422, "invalid_request"
-    if kinds <= {"invalid_request", "conflict"}:
-        return 409, "conflict"
-    return 500, "internal_error"
+    """The status and type of a request some of whose prompts failed: its worst prompt's."""
+    worst = min((_kind(e) for e in errors), key=_SEVERITY.index)
+    return _STATUS[worst], worst
 
 
 def _partial_failure(outcomes: list[Any], errors: list[BaseException]) -> ApiError:
