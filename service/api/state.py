@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from service.api.auth import ApiKeys
 from service.api.metrics import EngineCollector, ExtractMetrics
+from service.api.singleflight import SingleFlight
 from service.config import Settings
 from service.storage import Storage, scheme_of
 
@@ -73,6 +74,8 @@ class ApiState:
     engine_metrics: EngineCollector = field(default_factory=EngineCollector)
     #: The extractor's storage, instrumented (reads and deletes).
     storage: Storage | None = None
+    #: Idempotent prompts in flight, by key: identical ones share one engine run.
+    flights: SingleFlight[Any] = field(default_factory=SingleFlight)
 
     @property
     def backend(self) -> str:
