@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # Storage calls range from sub-millisecond local heads to multi-second S3 multiparts.
 STORAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 #: Storage operations, pre-registered so every series exists from the start.
-OPERATIONS = ("put", "get", "head", "exists", "delete", "ping")
+OPERATIONS = ("put", "get", "head", "exists", "list", "delete", "ping")
 #: Why stored states were refused (``hsx_extract_invalid_states_total{reason}``).
 INVALID_STATES_REASONS = ("non_finite", "all_zero_layer")
 

@@ -458,6 +458,9 @@ def test_sigterm_past_grace_answers_503_and_leaves_only_reported_objects(server:
         }
     assert "Traceback" not in log
     assert "CancelledError" not in log
+    debug_log = (server.root.parent / "var/log/hsx-debug.log").read_text()  # every record
+    assert "Traceback" not in debug_log
+    assert "Exception in ASGI application" not in debug_log
     received = {
         o["key"] for r in [first, *results] if r.status_code == 200 for o in r.json()["objects"]
     }

@@ -84,6 +84,8 @@ class ExtractorLike(Protocol):
         max_tokens: int = 1,
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
+        loss_spans: Sequence[tuple[int, int]] | None = None,
+        key: str | None = None,
     ) -> ExtractionLike:
         """One prompt's object, once durable; cancelling leaves no object behind."""
 

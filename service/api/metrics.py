@@ -54,7 +54,7 @@ class ExtractMetrics:
         )
         self.prompts = Counter(
             "hsx_extract_prompts",
-            "Prompts by outcome (ok: written).",
+            "Prompts by outcome (ok: written; found: stored before under its custom_id).",
             ["outcome"],
             registry=registry,
         )
@@ -106,7 +106,7 @@ class ExtractMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every series exists from the start: rate() works
-        for outcome in ("ok", "failed"):
+        for outcome in ("ok", "found", "failed"):
             self.prompts.labels(outcome)
         self.bytes.labels(backend)
         for reason in ("disconnect", "deadline"):
@@ -132,6 +132,9 @@ class ExtractMetrics:
         for item in outcomes:
             if isinstance(item, BaseException):
                 self.prompts.labels("failed").inc()
+                continue
+            if getattr(item, "found", False):  # stored before (custom_id): nothing written
+                self.prompts.labels("found").inc()
                 continue
             self.prompts.labels("ok").inc()
             self.tokens.inc(item.num_tokens)

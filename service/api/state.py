@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from service.api.auth import ApiKeys
 from service.api.body_limit import BodyBudget
 from service.api.metrics import EngineCollector, ExtractMetrics
+from service.api.singleflight import SingleFlight
 from service.config import Settings
 from service.storage import Storage, scheme_of
 
@@ -118,6 +119,8 @@ class ApiState:
     max_token_bytes: int = 0
     #: The model's name as clients and metrics see it (never a server path).
     model_name: str = ""
+    #: Idempotent prompts in flight, by key: identical ones share one engine run.
+    flights: SingleFlight[Any] = field(default_factory=SingleFlight)
 
     @property
     def backend(self) -> str:

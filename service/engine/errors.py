@@ -52,11 +52,20 @@ class InvalidPromptError(ExtractionError, ValueError):
     status = 422
 
 
+class IdempotencyConflictError(ExtractionError):
+    """The object under a ``custom_id`` prompt's key holds other token ids than the
+    prompt's (or is unreadable); it is left as it is (``service.api.idempotency``)."""
+
+    error_type = "conflict"
+    status = 409
+
+
 #: Every per-prompt failure, most severe first (a request takes its worst prompt's).
 FAILURES: tuple[type[ExtractionError], ...] = (
     EngineUnavailableError,
     StorageWriteError,
     InvalidStatesError,
     ExtractionError,
+    IdempotencyConflictError,
     InvalidPromptError,
 )

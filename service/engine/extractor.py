@@ -28,7 +28,7 @@ from service.engine.errors import (
 from service.engine.wire import Completion, Extraction, RequestParams
 from service.metrics import ExtractorMetrics
 from service.storage import Storage, open_storage, scheme_of
-from service.storage.keys import new_object_key
+from service.storage.keys import is_idempotent_key, new_object_key
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +115,25 @@ class Extractor:
         max_tokens: int = 1,
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
+        loss_spans: Sequence[tuple[int, int]] | None = None,
+        key: str | None = None,
     ) -> Extraction:
         """Run one prompt; return its object once durable.
 
+        ``loss_spans`` (supervised ``[start, end)`` ranges of the prompt) stores a
+        ``loss_mask``; ``key`` replaces the random key (a server-made deterministic one,
+        ``service.storage.keys.idempotent_key``).
         Raises InvalidPromptError, StorageWriteError, InvalidStatesError,
         EngineUnavailableError (all ExtractionError, see ``service.engine.errors``). If
-        the caller is cancelled, the engine request is aborted and no object remains.
+        the caller is cancelled, the engine request is aborted and no object remains
+        (except under an idempotent key: see ``_remove_orphan``).
         """
-        key = new_object_key(self.settings.storage.key_prefix, namespace)
+        key = key or new_object_key(self.settings.storage.key_prefix, namespace)
         params = RequestParams(
-            key=key, include_output_tokens=include_output_tokens, metadata=dict(metadata or {})
+            key=key,
+            include_output_tokens=include_output_tokens,
+            metadata=dict(metadata or {}),
+            loss_spans=None if loss_spans is None else tuple(loss_spans),
         )
         waiter = self._receiver.expect(key)
         try:
@@ -164,8 +173,12 @@ class Extractor:
         return final
 
     async def _remove_orphan(self, completion: Completion) -> None:
-        """A cancelled request's object was written anyway: remove it."""
-        if completion.stored is not None:
+        """A cancelled request's object was written anyway: remove it.
+
+        Except under an idempotent key: the object is complete, and what a retry of
+        the prompt looks for.
+        """
+        if completion.stored is not None and not is_idempotent_key(completion.key):
             with contextlib.suppress(Exception):
                 await self._storage.delete(completion.key)
 

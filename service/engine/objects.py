@@ -2,7 +2,9 @@
 
 Tensors ``hidden_states`` [num_tokens, num_layers, hidden_size] (model dtype) and
 ``token_ids`` int64 [num_tokens], the names and layout of vLLM's example connector, so
-existing loaders (speculators) read our files. ``__metadata__`` holds strings only.
+existing loaders (speculators) read our files; ``loss_mask`` uint8 [num_tokens] (aligned
+with ``token_ids``, unshifted) when the request asked for one. ``__metadata__`` holds
+strings only.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def object_metadata(
     return meta
 
 
-def serialize(hidden_states: Any, token_ids: Any, metadata: Mapping[str, str]) -> bytes:
+def serialize(
+    hidden_states: Any, token_ids: Any, metadata: Mapping[str, str], loss_mask: Any = None
+) -> bytes:
     """safetensors bytes of one object (tensors must be on the CPU)."""
     import torch
     from safetensors.torch import save
@@ -42,4 +46,6 @@ def serialize(hidden_states: Any, token_ids: Any, metadata: Mapping[str, str]) -
         "hidden_states": hidden_states.contiguous(),
         "token_ids": token_ids.to(torch.int64).contiguous(),
     }
+    if loss_mask is not None:
+        tensors["loss_mask"] = loss_mask.to(torch.uint8).contiguous()
     return bytes(save(tensors, metadata=dict(metadata)))

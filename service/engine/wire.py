@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.config import StorageSettings
+from service.masks import Span
 from service.storage.base import StorageOp
 from service.storage.keys import validate_key
 
@@ -71,11 +72,22 @@ class RequestParams(_Message):
     """Store the generated tokens' states too (all but the last, which has none)."""
     metadata: dict[str, str] = Field(default_factory=dict)
     """Caller's strings for the object's ``__metadata__`` (ours take precedence)."""
+    loss_spans: tuple[Span, ...] | None = None
+    """Supervised ``[start, end)`` ranges of the prompt's tokens: the object gets a
+    ``loss_mask`` (generated tokens with states are supervised too). None: no mask."""
 
     @field_validator("key")
     @classmethod
     def _key_is_safe(cls, value: str) -> str:
         return validate_key(value)
+
+    @field_validator("loss_spans")
+    @classmethod
+    def _spans_are_ranges(cls, value: tuple[Span, ...] | None) -> tuple[Span, ...] | None:
+        for start, end in value or ():
+            if not 0 <= start <= end:
+                raise ValueError(f"loss span ({start}, {end}) is not a [start, end) range")
+        return value
 
     def to_extra_args(self) -> dict[str, Any]:
         """``SamplingParams.extra_args`` carrying these parameters."""
@@ -102,6 +114,8 @@ class StoredObject(_Message):
     num_tokens: int
     shape: tuple[int, ...]
     """``hidden_states`` shape: [num_tokens, num_layers, hidden_size]."""
+    num_loss_tokens: int | None = None
+    """Tokens the stored ``loss_mask`` supervises; None when no mask was asked for."""
     copy_s: float = 0.0
     """Copy-out of the states from the KV cache to host memory."""
     write_s: float = 0.0

@@ -44,6 +44,8 @@ class WriteJob:
     token_ids: Any
     metadata: Mapping[str, str]
     nbytes: int
+    #: uint8 [num_tokens], 1 on supervised tokens, when the request asked for a loss mask.
+    loss_mask: Any = None
     #: Blocks until the states are on the host; returns the copy's duration in seconds.
     wait_copied: Callable[[], float] = field(default=lambda: 0.0)
     release: Callable[[], None] = field(default=lambda: None)  # e.g. return a pinned buffer
@@ -139,6 +141,7 @@ class WriterPool:
                     sha256=ref.sha256,
                     num_tokens=int(job.token_ids.shape[0]),
                     shape=tuple(job.hidden_states.shape),
+                    num_loss_tokens=_count(job.loss_mask),
                     copy_s=copy_s,
                     write_s=time.perf_counter() - start,
                 )
@@ -155,7 +158,7 @@ class WriterPool:
 
         layer_ids = json.loads(job.metadata.get("layer_ids", "null"))
         check_states(job.hidden_states, layer_ids)
-        return serialize(job.hidden_states, job.token_ids, job.metadata)
+        return serialize(job.hidden_states, job.token_ids, job.metadata, job.loss_mask)
 
     async def _complete(
         self,
@@ -193,6 +196,10 @@ class WriterPool:
 
     async def _close_sender(self) -> None:
         self._sender.close()
+
+
+def _count(loss_mask: Any) -> int | None:
+    return None if loss_mask is None else int(loss_mask.sum())
 
 
 def _failure(exc: Exception) -> WriteFailure:

@@ -6,6 +6,8 @@ A backend stores opaque bytes under server-made keys. Its contract:
   complete object; if they raise, no object (and no partial object) exists under it.
 * ``get`` / ``head`` raise :class:`NotFoundError` for a missing key.
 * ``delete`` is idempotent.
+* ``list`` pages through the keys under a prefix in ascending key order, starting
+  after a given key (S3's ``StartAfter``), so a page boundary never skips or repeats.
 * ``ping`` raises :class:`StorageUnavailableError` when the store cannot be reached.
 * Blocking work runs on the backend's own thread pool, never on the event loop.
 
@@ -26,6 +28,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -41,6 +44,23 @@ class ObjectRef:
     uri: str
     size: int
     sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed object: its key, size in bytes and when it was published (UTC)."""
+
+    key: str
+    size: int
+    created: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectPage:
+    """One page of a listing; ``next_after`` is the key to continue after, or None."""
+
+    objects: tuple[ObjectInfo, ...]
+    next_after: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +227,14 @@ class Storage(abc.ABC):
     async def ping(self) -> None:
         """Check that the store is reachable and writable. Raises StorageUnavailableError."""
 
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        """Objects whose keys start with ``prefix``, in ascending key order, after ``after``.
+
+        At most ``limit`` objects (1 or more); ``next_after`` is set when more may follow.
+        Raises InvalidKeyError for a prefix no key could have, StorageError otherwise.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot list objects")
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release threads, clients and connections. Idempotent."""
@@ -271,6 +299,10 @@ class ThreadedStorage(Storage):
     async def ping(self) -> None:
         await self._run(self._ping)
 
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        check_listing(prefix, limit, after)
+        return await self._run(self._list, prefix, limit, after)
+
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -288,3 +320,18 @@ class ThreadedStorage(Storage):
 
     @abc.abstractmethod
     def _ping(self) -> None: ...
+
+    @abc.abstractmethod
+    def _list(self, prefix: str, limit: int, after: str | None) -> ObjectPage: ...
+
+
+def check_listing(prefix: str, limit: int, after: str | None) -> None:
+    """Refuse a listing no key could answer: a prefix with ``..``, ``//``, a leading
+    ``/``, or characters keys never hold; a limit below 1; a bad ``after`` key."""
+    from service.storage.keys import validate_key, validate_key_prefix
+
+    validate_key_prefix(prefix)
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if after is not None:
+        validate_key(after)

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from service.storage.base import (
+    ObjectPage,
     ObjectReader,
     ObjectRef,
     Storage,
@@ -136,6 +137,10 @@ class InstrumentedStorage(Storage):
     async def ping(self) -> None:
         async with self._observe("ping"):
             await self.inner.ping()
+
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        async with self._observe("list"):
+            return await self.inner.list(prefix, limit=limit, after=after)
 
     async def close(self) -> None:
         await self.inner.close()

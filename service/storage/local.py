@@ -13,9 +13,12 @@ import errno
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from itertools import islice
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
@@ -26,6 +29,8 @@ from service.storage.base import (
     AlreadyExistsError,
     InvalidKeyError,
     NotFoundError,
+    ObjectInfo,
+    ObjectPage,
     ObjectReader,
     ObjectRef,
     Source,
@@ -38,6 +43,7 @@ from service.storage.keys import validate_key
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".hsx-tmp-"
+_SEGMENT_START = re.compile(r"[A-Za-z0-9]")
 
 
 def root_from_url(url: str) -> Path:
@@ -221,6 +227,49 @@ class LocalStorage(ThreadedStorage):
     def _ping(self) -> None:
         if not self.root.is_dir() or not os.access(self.root, os.W_OK | os.X_OK):
             raise StorageUnavailableError(f"storage root {self.root} is not a writable directory")
+
+    def _list(self, prefix: str, limit: int, after: str | None) -> ObjectPage:
+        found = list(islice(self._walk(self.root, "", prefix, after), limit + 1))
+        objects = []
+        for key in found[:limit]:
+            try:
+                stat = (self.root / key).stat()
+            except FileNotFoundError:
+                continue  # deleted since the walk saw it
+            created = datetime.fromtimestamp(stat.st_mtime, UTC)
+            objects.append(ObjectInfo(key, stat.st_size, created))
+        more = len(found) > limit
+        return ObjectPage(tuple(objects), found[limit - 1] if more else None)
+
+    def _walk(self, directory: Path, base: str, prefix: str, after: str | None) -> Iterator[str]:
+        """Keys under ``directory`` in ascending key order, pruned by prefix and ``after``.
+
+        A directory's key range is ``base + name + "/..."``: sorting entries by that
+        (files by their own name) walks keys in the order S3 lists them.
+        """
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        named = sorted(
+            (e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in entries
+        )
+        for name, entry in named:
+            if name.startswith(TEMP_PREFIX) or not _SEGMENT_START.match(name):
+                continue  # temp files of writers in progress; never keys
+            key = base + name
+            if not (key.startswith(prefix) or prefix.startswith(key)):
+                continue
+            if after is not None and key <= after and not after.startswith(key):
+                continue
+            if name.endswith("/"):
+                yield from self._walk(Path(entry.path), key, prefix, after)
+            elif (
+                entry.is_file(follow_symlinks=False)
+                and key.startswith(prefix)
+                and (after is None or key > after)
+            ):
+                yield key
 
     def sweep(self, older_than_s: float | None = None) -> int:
         """Remove temp files older than ``older_than_s`` (default: the configured age).

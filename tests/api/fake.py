@@ -72,6 +72,8 @@ class FakeExtractor:
         max_tokens: int = 1,
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
+        loss_spans: Sequence[tuple[int, int]] | None = None,
+        key: str | None = None,
     ) -> Extraction:
         self.submitted += 1
         ids = list(prompt_token_ids)
@@ -93,8 +95,7 @@ class FakeExtractor:
             {"hidden_states": states, "token_ids": np.asarray(ids, np.int64)},
             metadata={"model": self.info.name, **dict(metadata or {})},
         )
-        key = new_object_key("hsx", namespace)
-        ref = await self.storage.put(key, data)
+        ref = await self.storage.put(key or new_object_key("hsx", namespace), data)
         self.written.append(ref.key)
         return Extraction(
             key=ref.key,

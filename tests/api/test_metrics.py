@@ -109,6 +109,7 @@ def test_every_recorded_outcome_is_pre_registered(local_url: str) -> None:
         errors.StorageWriteError("x"),
         errors.InvalidStatesError("x", "non_finite"),
         errors.ExtractionError("x"),
+        errors.IdempotencyConflictError("x"),
         errors.InvalidPromptError("x"),
     ]
     assert {type(e) for e in failures} == set(errors.FAILURES)  # a new error joins here

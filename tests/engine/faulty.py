@@ -27,7 +27,14 @@ from botocore.awsrequest import AWSResponse
 
 from service.config import StorageSettings
 from service.engine.introspect import HsxWorkerExtension
-from service.storage import ObjectReader, ObjectRef, Storage, StorageError, open_backend
+from service.storage import (
+    ObjectPage,
+    ObjectReader,
+    ObjectRef,
+    Storage,
+    StorageError,
+    open_backend,
+)
 
 
 class FaultyStorage(Storage):
@@ -64,6 +71,9 @@ class FaultyStorage(Storage):
 
     async def ping(self) -> None:
         await self.inner.ping()
+
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        return await self.inner.list(prefix, limit=limit, after=after)
 
     async def close(self) -> None:
         await self.inner.close()

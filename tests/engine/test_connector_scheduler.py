@@ -68,3 +68,28 @@ def test_malformed_parameters_fail_the_prompt_not_the_engine() -> None:
     assert save.key == KEY
     assert save.failure is not None
     assert "include_output_tokens" in save.failure
+
+
+def test_loss_spans_cover_the_stored_tokens() -> None:
+    half = scheduler()
+    prompt_only = RequestParams(key=KEY, loss_spans=((1, 3),))
+    with_output = RequestParams(key=KEY, include_output_tokens=True, loss_spans=((0, 1),))
+    no_mask = RequestParams(key=KEY)
+    for params in (prompt_only, with_output, no_mask):
+        half.request_finished_all_groups(request(params.to_extra_args()), ([1], [2]))
+    first, second, third = half.build_connector_meta().saves
+    assert first.loss_spans == [(1, 3)]
+    # The generated token with a state (8; 9 has none) is supervised too.
+    assert (second.token_ids, second.loss_spans) == ([5, 6, 7, 8], [(0, 1), (3, 4)])
+    assert third.loss_spans is None
+    assert first.failure is second.failure is third.failure is None
+
+
+def test_loss_spans_past_the_prompt_fail_the_prompt() -> None:
+    half = scheduler()
+    params = RequestParams(key=KEY, loss_spans=((2, 4),))  # the prompt has 3 tokens
+    held, _ = half.request_finished_all_groups(request(params.to_extra_args()), ([1], [3]))
+    assert held
+    (save,) = half.build_connector_meta().saves
+    assert save.failure is not None
+    assert "past the prompt's 3 tokens" in save.failure

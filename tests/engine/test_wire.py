@@ -54,6 +54,17 @@ def test_request_params_are_validated_where_they_are_read() -> None:
         RequestParams.from_extra_args({REQUEST_ARG: {"key": KEY, "include_output_tokens": []}})
 
 
+def test_loss_spans_travel_as_plain_ranges() -> None:
+    params = RequestParams(key=KEY, loss_spans=((0, 2), (5, 9)))
+    extra_args = params.to_extra_args()
+    assert extra_args[REQUEST_ARG]["loss_spans"] == [[0, 2], [5, 9]]  # plain data for vLLM
+    assert RequestParams.from_extra_args(extra_args) == params
+    assert RequestParams(key=KEY).loss_spans is None  # no mask asked for
+    for bad in ([[3, 1]], [[-1, 2]], [[0, 1, 2]], [["a", 1]]):
+        with pytest.raises(ValidationError, match="loss_spans"):
+            RequestParams.from_extra_args({REQUEST_ARG: {"key": KEY, "loss_spans": bad}})
+
+
 def test_a_completion_holds_exactly_one_outcome() -> None:
     stored = StoredObject(key=KEY, uri="u", size=1, sha256="s", num_tokens=1, shape=(1, 2, 3))
     failure = WriteFailure(type="storage_error", message="m")

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from service.config import StorageSettings
 from service.engine.completion import CompletionReceiver, CompletionSender
+from service.engine.connector.worker import loss_mask
 from service.engine.objects import object_metadata
 from service.engine.wire import Completion, WriteFailure
 from service.engine.writer import WriteJob, WriterPool
@@ -78,6 +80,21 @@ async def test_a_written_object_is_reported_with_its_storage_calls(rig: Rig) -> 
     assert completion.peak_bytes_in_flight == job.nbytes
     puts = [op for op in completion.storage_ops if op.operation == "put"]
     assert [(op.written, op.error) for op in puts] == [(len(data), None)]
+
+
+async def test_a_loss_mask_is_stored_and_its_tokens_counted(rig: Rig) -> None:
+    job = rig.job(states(tokens=6))
+    job.loss_mask = loss_mask([(1, 3), (4, 6)], 6)
+    completion = await rig.write(job)
+    assert completion.stored is not None
+    assert completion.stored.num_loss_tokens == 4
+    stored = load_file(rig.root / job.key)
+    assert stored["loss_mask"].dtype == torch.uint8
+    assert stored["loss_mask"].tolist() == [0, 1, 1, 0, 1, 1]
+    assert stored["token_ids"].tolist() == list(range(6))  # aligned, not shifted
+    plain = await rig.write(rig.job(states()))
+    assert plain.stored is not None
+    assert plain.stored.num_loss_tokens is None
 
 
 def test_the_ceiling_holds_but_lets_one_large_object_through(tmp_path: Path) -> None:

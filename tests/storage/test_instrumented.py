@@ -33,6 +33,8 @@ async def test_metrics_follow_operations(tmp_path: Path) -> None:
     with pytest.raises(NotFoundError):
         await storage.open_read(fresh_key())
     assert await storage.exists(keys[1])
+    listed = await storage.list("hsx/", limit=2)
+    assert [o.key for o in listed.objects] == sorted(keys)[:2]
     await storage.delete(keys[1])
 
     assert value("hsx_storage_written_bytes_total") == 600
@@ -41,6 +43,7 @@ async def test_metrics_follow_operations(tmp_path: Path) -> None:
     assert value("hsx_storage_operation_duration_seconds_count", operation="get") == 3
     assert value("hsx_storage_operation_duration_seconds_count", operation="head") == 1
     assert value("hsx_storage_operation_duration_seconds_count", operation="exists") == 1
+    assert value("hsx_storage_operation_duration_seconds_count", operation="list") == 1
     assert value("hsx_storage_errors_total", operation="head", kind="not_found") == 1
     assert value("hsx_storage_errors_total", operation="get", kind="not_found") == 1
     assert value("hsx_storage_errors_total", operation="put", kind="not_found") is None

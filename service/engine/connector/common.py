@@ -25,6 +25,8 @@ class PendingSave:
     block_ids: list[int]
     metadata: dict[str, str]
     failure: str | None = None
+    loss_spans: list[tuple[int, int]] | None = None
+    """Supervised ``[start, end)`` ranges of ``token_ids``: write a ``loss_mask``."""
 
 
 @dataclass

@@ -66,14 +66,18 @@ class HsxConnectorScheduler:
             key = str(raw.get("key", "")) if isinstance(raw, dict) else ""
             return PendingSave(request.request_id, key, [], blocks, {}, failure=str(exc))
         assert params is not None
-        if params.include_output_tokens:
-            # The last token was sampled, never fed back: it has no hidden state.
-            token_ids = list(request.all_token_ids)[:-1]
-        else:
-            token_ids = list(request.prompt_token_ids or [])
+        prompt = list(request.prompt_token_ids or [])
+        # With output tokens: the last one was sampled, never fed back, so has no state.
+        token_ids = list(request.all_token_ids)[:-1] if params.include_output_tokens else prompt
         base = self._base_metadata  # ours first; a caller's key never overrides ours
         metadata = {**base, **{k: v for k, v in params.metadata.items() if k not in base}}
-        return PendingSave(request.request_id, params.key, token_ids, blocks, metadata)
+        save = PendingSave(request.request_id, params.key, token_ids, blocks, metadata)
+        if params.loss_spans is not None:
+            try:
+                save.loss_spans = stored_loss_spans(params.loss_spans, len(prompt), len(token_ids))
+            except ValueError as exc:  # a bug of ours, as above
+                save.failure = str(exc)
+        return save
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Requests the workers copied out: vLLM frees their blocks now."""
@@ -82,3 +86,17 @@ class HsxConnectorScheduler:
     def has_pending_block_frees(self) -> bool:
         """Held blocks come back once copied out: vLLM waits for them rather than preempt."""
         return bool(self._held)
+
+
+def stored_loss_spans(
+    spans: Sequence[tuple[int, int]], num_prompt: int, num_stored: int
+) -> list[tuple[int, int]]:
+    """The supervised ranges over the stored tokens: the prompt's ``spans``, plus the
+    generated tokens that have states. Raises ValueError for spans past the prompt."""
+    outside = [(start, end) for start, end in spans if end > num_prompt]
+    if outside:
+        raise ValueError(f"loss spans {outside[:4]} reach past the prompt's {num_prompt} tokens")
+    result = [(start, end) for start, end in spans]
+    if num_stored > num_prompt:
+        result.append((num_prompt, num_stored))
+    return result

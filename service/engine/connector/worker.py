@@ -35,6 +35,14 @@ def slot_indices(block_ids: list[int], block_size: int, num_tokens: int) -> tupl
     return blocks, positions % block_size
 
 
+def loss_mask(spans: list[tuple[int, int]], num_tokens: int) -> torch.Tensor:
+    """uint8 [num_tokens]: 1 on the supervised ``[start, end)`` ranges."""
+    mask = torch.zeros(num_tokens, dtype=torch.uint8)
+    for start, end in spans:
+        mask[start:end] = 1
+    return mask
+
+
 class HsxConnectorWorker:
     """Copies saved requests' hidden states out of the cache into the writer pool."""
 
@@ -133,6 +141,8 @@ class HsxConnectorWorker:
         blocks, offsets = slot_indices(save.block_ids, self._block_size, len(save.token_ids))
         token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
         job = WriteJob(save.key, None, token_ids, save.metadata, nbytes)
+        if save.loss_spans is not None:
+            job.loss_mask = loss_mask(save.loss_spans, len(save.token_ids))
         if self._cache.is_cuda:
             self._copying[save.req_id] = self._copy_out_cuda(job, blocks, offsets)
             return job
