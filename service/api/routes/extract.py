@@ -364,11 +364,16 @@ def _outcome(index: int, outcome: Any) -> PromptOutcome:
 
 def _message(kind: str, error: BaseException) -> str:
     """What a client may read about a failed prompt: storage and internal details (paths,
-    buckets, endpoints) go to the log only."""
-    if kind in ("invalid_request", "invalid_hidden_states"):  # about the prompt only
+    buckets, endpoints) go to the log only; the rest is about the prompt itself."""
+    if kind not in _PRIVATE:
         return str(error) or kind
     log.warning("hsx: prompt failed (%s): %s", kind, error)
-    return {
-        "storage_error": "storage: the object could not be written",
-        "engine_unavailable": "the engine is not running",
-    }.get(kind, "internal error")
+    return _PRIVATE[kind]
+
+
+#: Failure types whose detail stays in the server log, and what the client reads instead.
+_PRIVATE = {
+    "storage_error": "storage: the object could not be written",
+    "engine_unavailable": "the engine is not running",
+    "internal_error": "internal error",
+}
