@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from service.codecs import Codec
 from service.engine.objects import RESERVED_KEYS
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
@@ -67,6 +68,7 @@ class ExtractRequest(BaseModel):
                     "include_output_tokens": True,
                     "metadata": {"dataset": "sharegpt", "split": "train"},
                 },
+                {"prompts": ["Store these states small"], "codec": "fp8"},
             ]
         },
     )
@@ -82,6 +84,19 @@ class ExtractRequest(BaseModel):
         default_factory=dict,
         max_length=64,
         description="Strings stored in each object's __metadata__.",
+    )
+    codec: Codec | None = Field(
+        None,
+        description="How the objects store their states: `raw` (model dtype), `fp8` "
+        "(float8 plus a float32 scale per token and layer, read by hs-connectors' "
+        "FP8Transfer), `bf16` (float32 models only), `lossless` (bit-exact, zstd "
+        "exponent plane). Default: the server's; `GET /v1/models` lists those offered.",
+    )
+    layers: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="Store only these layer ids: a subset of the served `layer_ids`, "
+        "in their order. Default: all.",
     )
 
     @model_validator(mode="after")
@@ -100,8 +115,9 @@ class StoredObject(BaseModel):
     uri: str
     num_tokens: int
     shape: list[int] = Field(description="[num_tokens, num_layers, hidden_size]")
-    bytes: int
+    bytes: int = Field(description="Stored size: the encoded object's bytes.")
     sha256: str
+    codec: str = Field("raw", description="How the object stores its states.")
 
 
 class Usage(BaseModel):
@@ -130,8 +146,10 @@ class ExtractResponse(BaseModel):
                             "shape": [6, 3, 128],
                             "bytes": 9392,
                             "sha256": "9b7c...",
+                            "codec": "raw",
                         }
                     ],
+                    "codecs": ["raw", "fp8", "bf16", "lossless"],
                     "usage": {"prompt_tokens": 6, "total_tokens": 7},
                 }
             ]
@@ -140,10 +158,11 @@ class ExtractResponse(BaseModel):
 
     id: str
     model: str
-    layer_ids: list[int]
+    layer_ids: list[int] = Field(description="The layer ids the objects hold.")
     dtype: str
     hidden_size: int
     objects: list[StoredObject]
+    codecs: list[str] = Field(description="The codecs this server offers.")
     usage: Usage
 
 
@@ -182,6 +201,8 @@ class ModelCard(BaseModel):
     dtype: str
     max_model_len: int
     storage_backend: str
+    codecs: list[str] = Field(description="Codecs a request may ask for (`codec`).")
+    default_codec: str = Field(description="The codec of requests that name none.")
 
 
 class ModelList(BaseModel):

@@ -14,12 +14,14 @@ Scheduler side (EngineCore process)
 
 Worker side
   4. ``get_finished``: for each new save, reserve room under the in-flight ceiling,
-     gather the request's slots from the hidden-state cache, copy them to host memory
-     (CUDA: side stream into a reused pinned buffer; CPU: a plain copy) and hand the
-     object to the writer pool. Requests over the ceiling wait, blocks still held.
-     Report copied requests as finished sending so vLLM frees their blocks.
-  5. The writer pool serialises and writes through ``service.storage`` and pushes a
-     completion (key, size, checksum, or the error) to the API process.
+     gather the request's slots (and only its requested layers) from the hidden-state
+     cache, copy them to host memory (CUDA: the codec's device stage, e.g. fp8
+     quantisation, on a side stream, then into reused pinned buffers; CPU: a plain
+     copy) and hand the object to the writer pool. Requests over the ceiling wait,
+     blocks still held. Report copied requests as finished sending so vLLM frees their
+     blocks.
+  5. The writer pool encodes (``service.codecs``), writes through ``service.storage``
+     and pushes a completion (key, size, checksum, or the error) to the API process.
 
 Only tensor-parallel rank 0 copies and writes; ``get_finished_count`` is 1 so vLLM
 waits for rank 0 alone. What vLLM's example connector got right is kept (group found
@@ -30,6 +32,7 @@ to the caller, keys made by the server, bounded memory, a drained shutdown).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -45,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from service import codecs
 from service.config import StorageSettings
 from service.engine.completion import CompletionSender
 from service.engine.objects import object_metadata
@@ -75,6 +79,8 @@ class PendingSave:
     token_ids: list[int]
     block_ids: list[int]
     metadata: dict[str, str]
+    codec: codecs.Codec = "raw"
+    layers: list[int] | None = None  # a subset of the served layer ids; None: all
 
 
 @dataclass
@@ -176,10 +182,13 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             token_ids = list(request.prompt_token_ids or [])
         metadata = {**self._base_metadata}
+        layers = params.get("layers")
+        if layers:
+            metadata["layer_ids"] = json.dumps(list(layers))
         metadata.update({k: v for k, v in params.get("metadata", {}).items() if k not in metadata})
-        self._ready.append(
-            PendingSave(request.request_id, params["key"], token_ids, list(block_ids), metadata)
-        )
+        save = PendingSave(request.request_id, params["key"], token_ids, list(block_ids), metadata)
+        save.codec, save.layers = params.get("codec", "raw"), layers
+        self._ready.append(save)
         self._held.add(request.request_id)
         return True, None
 
@@ -265,11 +274,9 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _start_queued(self) -> None:
         assert self._writer is not None
-        assert self._cache is not None
-        per_token = self._cache.shape[1] * self._cache.shape[3] * self._cache.element_size()
         while self._queue:
             save = self._queue[0]
-            nbytes = len(save.token_ids) * per_token
+            nbytes = self._host_bytes(save)
             in_flight = self._writer.try_reserve(nbytes)
             if in_flight is None:
                 return  # over the ceiling: blocks stay held until writes drain
@@ -284,6 +291,35 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             self._writer.submit(job)
 
+    def _host_bytes(self, save: PendingSave) -> int:
+        """Host memory ``save``'s copy-out takes: what the in-flight ceiling counts.
+
+        On CUDA the codec's device stage runs before the copy, so fp8 and bf16 copies
+        are encoded-size; on the CPU the copy is the model-dtype states, and the writer
+        counts the object at its encoded size once encoded.
+        """
+        assert self._cache is not None
+        shape = (len(save.token_ids), len(save.layers or self.layer_ids), self._cache.shape[3])
+        codec = save.codec if self._cache.is_cuda else "raw"
+        return codecs.prepared_nbytes(codec, shape, self._cache.dtype)
+
+    def _layer_index(self, layers: list[int] | None) -> torch.Tensor | None:
+        """Positions of ``layers`` in the cache's layer dimension; None for all."""
+        if not layers or layers == self.layer_ids:
+            return None
+        unknown = [i for i in layers if i not in self.layer_ids]
+        if unknown:
+            raise ValueError(f"layers {unknown} are not served (served: {self.layer_ids})")
+        return torch.tensor([self.layer_ids.index(i) for i in layers], dtype=torch.long)
+
+    def _gather(self, blocks: Any, offsets: Any, index: Any) -> torch.Tensor:
+        """The states [tokens, layers, hidden] of these slots, as a new tensor."""
+        assert self._cache is not None
+        if index is None:
+            return self._cache[blocks, :, offsets]
+        # Only the requested layers are read: fewer bytes copied, not sliced after.
+        return self._cache[blocks[:, None], index[None, :], offsets[:, None]]
+
     def _poll_copies(self) -> None:
         """Requests whose device-to-host copy has completed can give their blocks back."""
         for req_id, event in list(self._copying.items()):
@@ -295,23 +331,27 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._cache is not None
         start = time.perf_counter()
         blocks, offsets = slot_indices(save.block_ids, self._block_size, len(save.token_ids))
+        index = self._layer_index(save.layers)
         token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
         job = WriteJob(save.key, None, token_ids, save.metadata, nbytes, 0.0, in_flight)
+        job.codec = save.codec
         if self._cache.is_cuda:
-            self._copying[save.req_id] = self._copy_out_cuda(job, blocks, offsets)
+            self._copying[save.req_id] = self._copy_out_cuda(job, blocks, offsets, index)
         else:
             # Advanced indexing copies: the result shares nothing with the cache, so
             # the blocks can go back at once.
-            job.hidden_states = self._cache[blocks, :, offsets]
+            job.hidden_states = self._gather(blocks, offsets, index)
             self._copied.add(save.req_id)
         job.copy_s = time.perf_counter() - start
         return job
 
-    def _copy_out_cuda(self, job: WriteJob, blocks: Any, offsets: Any) -> Any:
-        """Gather on a side stream into a reused pinned buffer; returns the copy's event.
+    def _copy_out_cuda(self, job: WriteJob, blocks: Any, offsets: Any, index: Any) -> Any:
+        """Gather and run the codec's device stage on a side stream, then copy into
+        reused pinned buffers; returns the copy's event.
 
-        The forward pass is not blocked: the writer thread waits on the event, and the
-        blocks go back only once ``_poll_copies`` sees it complete.
+        fp8 quantises (bf16 casts) on the GPU, so the copy and the pinned buffers are
+        encoded-size. The forward pass is not blocked: the writer thread waits on the
+        event, and the blocks go back only once ``_poll_copies`` sees it complete.
         """
         assert self._cache is not None
         if self._copy_stream is None:
@@ -319,19 +359,29 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         ready = torch.cuda.Event()
         ready.record()  # after the forward pass that wrote the states
         self._copy_stream.wait_event(ready)
-        shape = (len(blocks), self._cache.shape[1], self._cache.shape[3])
-        buffer, host = self._pinned.take(shape, self._cache.dtype)
+        buffers, hosts = [], {}
         with torch.cuda.stream(self._copy_stream):
             device = self._cache.device
-            gathered = self._cache[
-                blocks.to(device, non_blocking=True), :, offsets.to(device, non_blocking=True)
-            ]
-            host.copy_(gathered, non_blocking=True)
+            gathered = self._gather(
+                blocks.to(device, non_blocking=True),
+                offsets.to(device, non_blocking=True),
+                None if index is None else index.to(device, non_blocking=True),
+            )
+            for name, tensor in codecs.prepare(job.codec, gathered).items():
+                buffer, host = self._pinned.take(tuple(tensor.shape), tensor.dtype)
+                host.copy_(tensor, non_blocking=True)
+                buffers.append(buffer)
+                hosts[name] = host
         done = torch.cuda.Event()
         done.record(self._copy_stream)
-        job.hidden_states = host
+        job.hidden_states, job.prepared = hosts["hidden_states"], hosts
         job.wait_ready = done.synchronize
-        job.release = lambda: self._pinned.give(buffer)
+
+        def release() -> None:
+            for buffer in buffers:
+                self._pinned.give(buffer)
+
+        job.release = release
         return done
 
     def shutdown(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service import codecs
 from service.config import Settings
 from service.engine.builder import ModelInfo, engine_args, read_model_info, resolve_layer_ids
 from service.engine.completion import Completion, CompletionReceiver
@@ -56,8 +57,10 @@ class Extraction:
     prompt_tokens: int
     output_token_ids: tuple[int, ...]
     copy_s: float = 0.0  # copy-out from the KV cache to host memory
-    write_s: float = 0.0  # serialise and write to storage
+    write_s: float = 0.0  # encode and write to storage
     bytes_in_flight: int = 0  # the writer's in-flight bytes right after this copy-out
+    codec: str = "raw"  # how the object stores its states (service.codecs)
+    layer_ids: tuple[int, ...] = ()  # the layers it holds
 
 
 class Extractor:
@@ -82,6 +85,8 @@ class Extractor:
         self.peak_bytes_in_flight = 0
         #: Requests handed to the engine so far (the API's tests count on it).
         self.requests_submitted = 0
+        #: The codecs this server offers (service.codecs).
+        self.codecs = codecs.offered(self.dtype)
 
     @property
     def storage(self) -> Storage:
@@ -127,7 +132,30 @@ class Extractor:
             scratch.cleanup()
             raise
         storage = open_storage_with(storage_factory)(settings.storage)
-        return cls(settings, engine, receiver, storage, info, layer_ids, scratch)
+        extractor = cls(settings, engine, receiver, storage, info, layer_ids, scratch)
+        try:  # the served dtype is known only now ("auto")
+            codecs.check_codec(settings.storage.codec, extractor.dtype)
+        except ValueError as exc:
+            await extractor.close()
+            raise ValueError(f"storage.codec: {exc}") from None
+        return extractor
+
+    def check_codec(self, codec: str | None) -> str:
+        """The codec a request gets (``storage.codec`` when None); ValueError naming the
+        codecs offered otherwise."""
+        return codecs.check_codec(codec or self.settings.storage.codec, self.dtype)
+
+    def check_layers(self, layers: Sequence[int] | None) -> None:
+        """ValueError unless ``layers`` is None or a subset of the served layer ids, in
+        their order (objects keep the server's layer order)."""
+        if layers is None:
+            return
+        wanted = list(layers)
+        if not wanted or wanted != [i for i in self.layer_ids if i in wanted]:
+            raise ValueError(
+                f"{wanted} is not a non-empty subset of the served layer ids "
+                f"{self.layer_ids} in that order"
+            )
 
     async def extract(
         self,
@@ -137,17 +165,31 @@ class Extractor:
         max_tokens: int = 1,
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
+        codec: str | None = None,
+        layers: Sequence[int] | None = None,
     ) -> Extraction:
         """Run one prompt; return its object once durable.
 
-        Raises InvalidPromptError, StorageWriteError, EngineUnavailableError. If the
-        caller is cancelled, the engine request is aborted and no object remains.
+        ``codec`` (``service.codecs``; default ``storage.codec``) says how the object
+        stores its states, ``layers`` which of the served layer ids it holds (default
+        all). Raises ValueError for a codec or layers not served (before the engine
+        sees anything), InvalidPromptError, StorageWriteError, EngineUnavailableError.
+        If the caller is cancelled, the engine request is aborted and no object remains.
         """
+        codec = self.check_codec(codec)
+        self.check_layers(layers)
+        stored = tuple(layers if layers is not None else self.layer_ids)
         key = new_object_key(self.settings.storage.key_prefix, namespace)
         waiter = self._receiver.expect(key)
         try:
             output = await self._generate(
-                key, list(prompt_token_ids), max_tokens, include_output_tokens, metadata
+                key,
+                list(prompt_token_ids),
+                max_tokens,
+                include_output_tokens,
+                metadata,
+                codec=codec,
+                layers=list(layers) if layers is not None else None,
             )
             completion = await waiter
         except BaseException:
@@ -156,7 +198,7 @@ class Extractor:
         self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, completion.bytes_in_flight)
         if not completion.ok:
             raise StorageWriteError(completion.error)
-        return _extraction(completion, output)
+        return _extraction(completion, output, codec, stored)
 
     async def _generate(
         self,
@@ -165,6 +207,9 @@ class Extractor:
         max_tokens: int,
         include_output_tokens: bool,
         metadata: Mapping[str, str] | None,
+        *,
+        codec: str,
+        layers: list[int] | None,
     ) -> Any:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -179,6 +224,8 @@ class Extractor:
                     "key": key,
                     "include_output_tokens": include_output_tokens,
                     "metadata": dict(metadata or {}),
+                    "codec": codec,
+                    "layers": layers,
                 }
             },
         )
@@ -234,7 +281,9 @@ def _release_vllm_resources(engine: Any) -> None:
             process.close()
 
 
-def _extraction(completion: Completion, output: Any) -> Extraction:
+def _extraction(
+    completion: Completion, output: Any, codec: str, layer_ids: tuple[int, ...]
+) -> Extraction:
     generated = tuple(output.outputs[0].token_ids) if output.outputs else ()
     return Extraction(
         key=completion.key,
@@ -248,4 +297,6 @@ def _extraction(completion: Completion, output: Any) -> Extraction:
         copy_s=completion.copy_s,
         write_s=completion.write_s,
         bytes_in_flight=completion.bytes_in_flight,
+        codec=codec,
+        layer_ids=layer_ids,
     )

@@ -3,6 +3,8 @@
 Tensors ``hidden_states`` [num_tokens, num_layers, hidden_size] (model dtype) and
 ``token_ids`` int64 [num_tokens], the names and layout of vLLM's example connector, so
 existing loaders (speculators) read our files. ``__metadata__`` holds strings only.
+Other codecs (``service.codecs``) change how the states are stored; ``hsx.codec`` in
+the metadata says which one, and ``service.codecs.decode`` reads any of them.
 """
 
 from __future__ import annotations
@@ -11,9 +13,23 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from service import codecs
+from service.codecs import CODEC_KEY, CODEC_VERSION_KEY, DECODED_FROM_KEY, Codec
+
 FORMAT_VERSION = "1"
 # Metadata keys we own; a caller's metadata may not override them.
-RESERVED_KEYS = frozenset({"format", "format_version", "model", "layer_ids", "dtype"})
+RESERVED_KEYS = frozenset(
+    {
+        "format",
+        "format_version",
+        "model",
+        "layer_ids",
+        "dtype",
+        CODEC_KEY,
+        CODEC_VERSION_KEY,
+        DECODED_FROM_KEY,
+    }
+)
 
 
 def object_metadata(
@@ -33,13 +49,17 @@ def object_metadata(
     return meta
 
 
-def serialize(hidden_states: Any, token_ids: Any, metadata: Mapping[str, str]) -> bytes:
-    """safetensors bytes of one object (tensors must be on the CPU)."""
-    import torch
-    from safetensors.torch import save
+def serialize(
+    codec: Codec,
+    hidden_states: Any,
+    token_ids: Any,
+    metadata: Mapping[str, str],
+    prepared: Mapping[str, Any] | None = None,
+) -> bytes:
+    """safetensors bytes of one object (tensors must be on the CPU).
 
-    tensors = {
-        "hidden_states": hidden_states.contiguous(),
-        "token_ids": token_ids.to(torch.int64).contiguous(),
-    }
-    return bytes(save(tensors, metadata=dict(metadata)))
+    ``prepared``: the codec's first stage already ran on the device (CUDA), these are
+    its tensors; otherwise it runs here, on ``hidden_states``.
+    """
+    tensors = prepared if prepared is not None else codecs.prepare(codec, hidden_states)
+    return codecs.pack(codec, tensors, token_ids, metadata)

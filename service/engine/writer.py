@@ -4,7 +4,8 @@ It runs one asyncio loop on its own thread (the storage interface is async; vLLM
 is not), bounds concurrent writes, and accounts for the bytes copied out of the KV cache
 but not yet durable. The connector reserves bytes before each copy-out; past the ceiling
 it keeps the request's blocks held instead, so memory stays bounded and the scheduler
-slows down when storage is slow.
+slows down when storage is slow. Objects are encoded (``service.codecs``) here, off the
+forward pass; once encoded, an object counts at its encoded size.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.codecs import Codec
 from service.config import StorageSettings
 from service.engine.completion import Completion, CompletionSender
 from service.engine.objects import serialize
@@ -39,6 +41,10 @@ class WriteJob:
     bytes_in_flight: int
     wait_ready: Callable[[], None] = field(default=lambda: None)  # e.g. a CUDA event
     release: Callable[[], None] = field(default=lambda: None)  # e.g. return a pinned buffer
+    codec: Codec = "raw"
+    #: The codec's device stage already ran (CUDA): its host tensors. ``hidden_states``
+    #: is then their ``hidden_states`` (same shape; fp8 or bf16 values).
+    prepared: dict[str, Any] | None = None
 
 
 class WriterPool:
@@ -58,6 +64,11 @@ class WriterPool:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._loop = asyncio.new_event_loop()
+        # Encoding runs torch ops in these threads: one intra-op thread each, or every
+        # writer spins up its own OpenMP team against the forward pass's cores.
+        self._loop.set_default_executor(
+            ThreadPoolExecutor(max_concurrent_writes, "hsx-encode", _one_torch_thread)
+        )
         self._thread = threading.Thread(target=self._loop.run_forever, name="hsx-writer")
         self._thread.daemon = True
         self._thread.start()
@@ -90,6 +101,13 @@ class WriterPool:
         with self._lock:
             self._in_flight -= nbytes
 
+    def _shrink(self, job: WriteJob, encoded: int) -> None:
+        """Count ``job`` at its encoded size from now on (the host copy is released)."""
+        with self._lock:
+            if encoded < job.nbytes:
+                self._in_flight -= job.nbytes - encoded
+                job.nbytes = encoded
+
     def submit(self, job: WriteJob) -> None:
         """Queue ``job``; its completion (success or error) goes to the sender."""
         future = asyncio.run_coroutine_threadsafe(self._write(job), self._loop)
@@ -102,9 +120,15 @@ class WriterPool:
             try:
                 await asyncio.to_thread(job.wait_ready)
                 data = await asyncio.to_thread(
-                    serialize, job.hidden_states, job.token_ids, job.metadata
+                    serialize,
+                    job.codec,
+                    job.hidden_states,
+                    job.token_ids,
+                    job.metadata,
+                    job.prepared,
                 )
                 job.release()
+                self._shrink(job, len(data))
                 ref = await self._storage.put(job.key, data)
                 completion = Completion(
                     key=job.key,
@@ -152,3 +176,13 @@ class WriterPool:
 
     async def _close_sender(self) -> None:
         self._sender.close()
+
+
+def _one_torch_thread() -> None:
+    """One intra-op thread for this thread. vLLM's CPU worker replaces the public
+    ``torch.set_num_threads`` with a no-op (it would undo its core binding); the binding
+    belongs to the forward pass's thread, and this call changes only the calling thread's
+    OpenMP team (and the default of threads started later)."""
+    import torch
+
+    torch._C.set_num_threads(1)

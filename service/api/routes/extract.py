@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from service.api.codec_params import check_codec_params
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.prompts import check_request_limits, tokenize_all
@@ -79,6 +80,7 @@ async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
     try:
         check_request_limits(body, state.settings.limits)
         ensure_serving(state)
+        check_codec_params(state.extractor, body.codec, body.layers)
         token_ids: list[list[int]] = await prompt_token_ids(state, body)
         if not state.admission.try_admit(len(token_ids)):
             raise ApiError(
@@ -159,6 +161,8 @@ async def run_prompts(
                 max_tokens=body.max_tokens,
                 include_output_tokens=body.include_output_tokens,
                 metadata=body.metadata,
+                codec=body.codec,
+                layers=body.layers,
             )
         )
         for ids in token_ids
@@ -212,7 +216,7 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
     return ExtractResponse(
         id=f"ext-{uuid.uuid4().hex}",
         model=extractor.info.name,
-        layer_ids=extractor.layer_ids,
+        layer_ids=list(outcomes[0].layer_ids) or extractor.layer_ids,
         dtype=extractor.dtype,
         hidden_size=extractor.info.hidden_size,
         objects=[
@@ -224,9 +228,11 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
                 shape=list(o.shape),
                 bytes=o.size,
                 sha256=o.sha256,
+                codec=o.codec,
             )
             for i, o in enumerate(outcomes)
         ],
+        codecs=extractor.codecs,
         usage=Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens + generated),
     )
 

@@ -1,20 +1,23 @@
 """``GET`` and ``DELETE /objects/{key}``, only inside the caller's namespace.
 
 A key outside the caller's namespace is a 404, exactly like a missing one, so nobody
-learns what other namespaces hold.
+learns what other namespaces hold. ``?decode=true`` answers any object as a ``raw`` one
+(model-dtype states), whatever codec stored it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from fastapi.responses import FileResponse, RedirectResponse
+from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody
 from service.api.state import ApiState
+from service.codecs import to_raw
 from service.storage import Storage
 from service.storage.base import NotFoundError
 from service.storage.keys import namespace_of
@@ -38,12 +41,21 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
     },
     response_class=Response,
 )
-async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
+async def get_object(
+    key: str,
+    state: StateDep,
+    namespace: NamespaceDep,
+    decode: bool = Query(
+        False, description="Answer a `raw` object (model-dtype states) for any codec."
+    ),
+) -> Response:
     """Stream an object (local disk) or redirect to a presigned URL (S3)."""
     owned(state, key, namespace)
     assert state.storage is not None
     backend = unwrap(state.storage)
     await ensure_exists(backend, key)
+    if decode:
+        return await decoded(backend, key)
     if hasattr(backend, "path_for"):
         return FileResponse(
             backend.path_for(key), media_type=SAFETENSORS, filename=key.rsplit("/", 1)[-1]
@@ -61,6 +73,15 @@ async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> R
     await ensure_exists(unwrap(state.storage), key)
     await state.storage.delete(key)
     return Response(status_code=204)
+
+
+async def decoded(backend: Storage, key: str) -> Response:
+    """The object as a ``raw`` one, decoded off the event loop."""
+    try:
+        data = await run_in_threadpool(to_raw, await backend.get(key))
+    except ValueError as exc:  # a codec this server does not know
+        raise ApiError(422, "invalid_request", f"decode: {exc}", field="decode") from None
+    return Response(data, media_type=SAFETENSORS)
 
 
 def owned(state: ApiState, key: str, namespace: str) -> None:
