@@ -146,9 +146,7 @@ async def test_bad_codec_or_layers_never_reach_the_engine(
     assert engine.requests_submitted == before
 
 
-async def test_speculators_arrow_dataset_reads_hsx_fp8_objects(
-    engine: Any, tmp_path: Path
-) -> None:
+async def test_speculators_arrow_dataset_reads_hsx_fp8_objects(engine: Any, tmp_path: Path) -> None:
     """A trainer's dataset of hsx fp8 objects, read by speculators through FP8Transfer."""
     data_module = pytest.importorskip(
         "speculators.train.data",
