@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -225,3 +228,56 @@ def test_prepared_nbytes_is_what_prepare_hands_over(codec: codecs.Codec) -> None
     prepared = codecs.prepare(codec, x)
     actual = sum(t.numel() * t.element_size() for t in prepared.values())
     assert codecs.prepared_nbytes(codec, (37, 3, 128), torch.float32) == actual
+
+
+class StalledStorage:
+    """Real local storage whose puts wait for ``gate``: a store that has stalled."""
+
+    def __init__(self, inner: Any, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+
+    async def put(self, key: str, data: bytes) -> Any:
+        await asyncio.to_thread(self.gate.wait, 60)
+        return await self.inner.put(key, data)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_writer_counts_an_object_at_its_encoded_size(tmp_path: Path) -> None:
+    """Copied out at the model dtype's size; once encoded, only the encoded bytes count."""
+    from service.config import StorageSettings
+    from service.engine.completion import CompletionReceiver, CompletionSender
+    from service.engine.writer import WriteJob, WriterPool
+    from service.storage import open_storage
+    from service.storage.keys import new_object_key
+
+    gate = threading.Event()
+    receiver = CompletionReceiver(f"ipc://{tmp_path / 'completions.sock'}")
+    receiver.start()
+    pool = WriterPool(
+        StorageSettings(url=str(tmp_path / "objects")),
+        CompletionSender(receiver.address),
+        max_bytes_in_flight=1 << 30,
+        max_concurrent_writes=2,
+        storage_factory=lambda s: StalledStorage(open_storage(s), gate),
+    )
+    x = states(tokens=300)
+    copied = x.numel() * x.element_size()
+    key = new_object_key("hsx", "default")
+    done = receiver.expect(key)
+    in_flight = pool.try_reserve(copied)
+    assert in_flight == copied
+    meta = {"model": "m", "dtype": "float32"}
+    pool.submit(WriteJob(key, x, ids(300), meta, copied, 0.0, in_flight, codec="fp8"))
+    while pool.bytes_in_flight == copied:  # the writer thread encodes
+        await asyncio.sleep(0.01)
+    encoded = pool.bytes_in_flight
+    gate.set()
+    completion = await asyncio.wait_for(done, 60)
+    assert completion.ok, completion.error
+    assert completion.size == encoded == (tmp_path / "objects" / key).stat().st_size
+    assert encoded < 0.3 * copied  # a quarter of float32, plus scales and the header
+    assert pool.bytes_in_flight == 0
+    pool.close()
+    await receiver.close()
