@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -163,26 +163,22 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fp8 = torch.float8_e4m3fn
     top = torch.finfo(fp8).max
     x = states.float()
+    ladder = torch.tensor([2.0 ** (k / FP8_SCALE_STEPS) for k in range(FP8_SCALE_STEPS)])
     base = x.abs().amax(dim=-1, keepdim=True) / top
-    best_q: Any = None
-    best_s: Any = None
-    best_err: Any = None
+    # [T, L, steps]; the floor keeps all-zero rows finite.
+    scales = (base * ladder.to(x.device)).to(torch.bfloat16).float()
+    scales = scales.clamp(min=torch.finfo(torch.bfloat16).tiny)
+    errors = []
     for step in range(FP8_SCALE_STEPS):
-        scale = (base * 2.0 ** (step / FP8_SCALE_STEPS)).to(torch.bfloat16).float()
-        scale = scale.clamp(min=torch.finfo(torch.bfloat16).tiny)  # all-zero rows
+        scale = scales[..., step : step + 1]
         scaled = x / scale
-        q = scaled.clamp(-top, top).to(fp8)
-        err = (q.float() - scaled).square().sum(dim=-1, keepdim=True)
-        if best_err is None:
-            best_q, best_s, best_err, first = q, scale, err, scale
-            continue
+        lost = scaled.clamp(-top, top).to(fp8).float() - scaled
         # In units of the first scale: scale**2 itself overflows float32 for huge rows.
-        err = err * (scale / first).square()
-        better = err < best_err
-        best_q = torch.where(better, q, best_q)
-        best_s = torch.where(better, scale, best_s)
-        best_err = torch.where(better, err, best_err)
-    return best_q, best_s
+        errors.append(
+            torch.linalg.vector_norm(lost, dim=-1, keepdim=True) * (scale / scales[..., :1])
+        )
+    best = scales.gather(-1, torch.cat(errors, dim=-1).argmin(dim=-1, keepdim=True))
+    return (x / best).clamp(-top, top).to(fp8), best
 
 
 def split_planes(states: torch.Tensor) -> dict[str, torch.Tensor]:
