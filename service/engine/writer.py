@@ -127,6 +127,8 @@ class WriterPool:
                     job.metadata,
                     job.prepared,
                 )
+                shape = tuple(job.hidden_states.shape)
+                job.hidden_states = job.prepared = None  # encoded: the host copy can go
                 job.release()
                 self._shrink(job, len(data))
                 ref = await self._storage.put(job.key, data)
@@ -137,7 +139,7 @@ class WriterPool:
                     sha256=ref.sha256,
                     uri=ref.uri,
                     num_tokens=int(job.token_ids.shape[0]),
-                    shape=tuple(job.hidden_states.shape),
+                    shape=shape,
                     copy_s=job.copy_s,
                     write_s=time.perf_counter() - start,
                     bytes_in_flight=job.bytes_in_flight,
