@@ -281,3 +281,18 @@ async def test_writer_counts_an_object_at_its_encoded_size(tmp_path: Path) -> No
     assert pool.bytes_in_flight == 0
     pool.close()
     await receiver.close()
+
+
+def test_server_default_codec_is_a_setting_refusing_unknown_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    assert Settings().storage.codec == "raw"
+    monkeypatch.setenv("HSX_STORAGE__CODEC", "lossless")
+    assert Settings().storage.codec == "lossless"
+    monkeypatch.setenv("HSX_STORAGE__CODEC", "zfp")
+    with pytest.raises(ValidationError, match=r"storage\.codec"):
+        Settings()
