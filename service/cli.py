@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from service import __version__
 from service.config import Settings
+from service.startup import StartupError, check_environment, from_validation
 
 
 def _cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
@@ -112,14 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script."""
+    """Entry point of the console script.
+
+    A configuration or start-up error prints one line naming the setting and what to do
+    (``service.startup``) and returns a non-zero status, without a traceback.
+    """
     args = build_parser().parse_args(argv)
     try:
-        settings = Settings(**_overrides(args))
-    except ValidationError as exc:
-        print(f"hsx: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
-    return int(args.func(settings, args))
+        check_environment(os.environ, Settings)
+        try:
+            settings = Settings(**_overrides(args))
+        except (ValidationError, SettingsError) as exc:
+            raise from_validation(exc) from exc
+        return int(args.func(settings, args))
+    except StartupError as err:
+        print(err.line, file=sys.stderr)
+        return err.exit_code
 
 
 def _env(path: str) -> str:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,8 @@ ZSTD_LEVEL = 1
 #: on the worst rows of 128-wide Gaussian states).
 FP8_SCALE_STEPS = 4
 LOSSLESS_DTYPES = ("float32", "bfloat16", "float16")
+#: Tensors a codec writes for the states; every other tensor is stored as it is.
+_CODEC_TENSORS = frozenset({"hidden_states", SCALES, EXPONENT_PLANE, REST_PLANES})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -122,11 +124,13 @@ def pack(
     prepared: Mapping[str, torch.Tensor],
     token_ids: torch.Tensor,
     metadata: Mapping[str, str],
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> bytes:
     """Stage two, on the CPU: the object's safetensors bytes.
 
     ``metadata`` must name the model ``dtype`` the states decode to; ``hsx.codec`` and
-    ``hsx.codec_version`` are set here.
+    ``hsx.codec_version`` are set here. ``extra`` tensors (e.g. ``loss_mask``) are
+    stored as they are.
     """
     import torch
     from safetensors.torch import save
@@ -137,6 +141,7 @@ def pack(
     if codec == "lossless":
         tensors = split_planes(tensors["hidden_states"])
     tensors["token_ids"] = token_ids.to(torch.int64).contiguous()
+    tensors.update({name: t.contiguous() for name, t in (extra or {}).items()})
     meta = {**metadata, CODEC_KEY: codec, CODEC_VERSION_KEY: CODEC_VERSION}
     return bytes(save(tensors, metadata=meta))
 
@@ -219,13 +224,21 @@ def read_metadata(data: bytes | memoryview) -> dict[str, str]:
     return dict(header.get("__metadata__") or {})
 
 
+def stored_shape(header: Mapping[str, Any]) -> tuple[int, ...]:
+    """[T, L, H] of the states an object's safetensors header describes, any codec."""
+    if REST_PLANES in header:
+        return tuple(header[REST_PLANES]["shape"][1:])
+    return tuple(header["hidden_states"]["shape"])
+
+
 def codec_of(metadata: Mapping[str, str]) -> str:
     """The codec an object was stored with; objects from before codecs are ``raw``."""
     return metadata.get(CODEC_KEY, "raw")
 
 
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``({"hidden_states", "token_ids"}, metadata)`` of any object, states in its dtype.
+    """``({"hidden_states", "token_ids", ...}, metadata)`` of any object, the states in
+    its dtype; other tensors (``loss_mask``) come back as stored.
 
     Raises ValueError for a codec (or codec version) this module does not know.
     """
@@ -251,7 +264,16 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         states = tensors["hidden_states"].to(dtype)
     else:
         states = join_planes(tensors[EXPONENT_PLANE], tensors[REST_PLANES], dtype)
-    return {"hidden_states": states, "token_ids": tensors["token_ids"]}, metadata
+    others = {k: v for k, v in tensors.items() if k not in _CODEC_TENSORS}
+    return {"hidden_states": states, **others}, metadata
+
+
+def restore(codec: Codec, prepared: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The states ``prepare``'s tensors stand for (float32 for fp8; lossless: as is)."""
+    states = prepared["hidden_states"]
+    if codec == "fp8":
+        return states.float() * prepared[SCALES]
+    return states
 
 
 def join_planes(exponent: torch.Tensor, rest: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

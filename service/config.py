@@ -48,6 +48,11 @@ class ServerSettings(BaseModel):
     metrics_interval_s: float = Field(
         15.0, gt=0, description="Seconds between samples of the workers' memory."
     )
+    debug_log: Path = Field(
+        Path("var/log/hsx-debug.log"),
+        description="File that `hsx serve` writes every log record and traceback to "
+        "(replaced at each start); the console gets short lines.",
+    )
 
     @field_validator("host")
     @classmethod
@@ -84,11 +89,20 @@ class EngineSettings(BaseModel):
         None, gt=0, description="Tokens per engine step; long prompts prefill in chunks."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica spans.")
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of device memory vLLM may use (CPU: of node 0)."
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of device memory vLLM may use. Unset: vLLM's default (0.9) "
+        "on GPU. On CPU vLLM reads it as a fraction of NUMA node 0 that must be free at "
+        "start; it applies there only when cpu_kvcache_space_gib is unset (docs/cpu.md).",
     )
-    cpu_kvcache_space_gib: int | None = Field(
-        None, gt=0, description="KV-cache size on the CPU backend (VLLM_CPU_KVCACHE_SPACE)."
+    cpu_kvcache_space_gib: float | None = Field(
+        None,
+        gt=0,
+        description="KV-cache size on the CPU backend, GiB (vLLM's kv_cache_memory_bytes). "
+        "Unset: 1 GiB, unless gpu_memory_utilization is set, which then sizes it. "
+        "Ignored on GPU.",
     )
     enable_prefix_caching: bool | None = Field(
         None,

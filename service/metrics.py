@@ -1,62 +1,54 @@
-"""Prometheus metrics of hsx (prefix ``hsx_``).
+"""Prometheus metrics of the extractor: storage calls and the worker's writer.
 
-Metric objects are built per app on a registry the caller passes (the process default
-in production, where vLLM's own ``vllm:*`` metrics already live; a fresh one in tests),
-never at import time.
+They are fed from two processes. The API process's own storage calls (reads, deletes,
+probes) are observed directly; the worker's (writes, and their S3 retries) arrive in
+the completion messages (``service.engine.wire.Completion.storage_ops``) and are
+observed when each message is received, so ``/metrics`` shows all storage traffic.
+
+Why the completion channel rather than vLLM's connector stats path
+(``KVConnectorStats`` / ``build_prom_metrics``): vLLM collects connector stats only
+when a model step runs (``get_kv_connector_stats`` is called from the step's KV
+connector context) and ships them with that step's scheduler stats. A write that lands
+after the engine went idle would not be reported until the next request arrived, so
+the counters would not equal the work done; and those metrics are vLLM's own objects
+in the process default registry, labelled per engine, not the ``hsx_storage_*``
+families of our own registry. The completion message is sent the moment each write
+ends, on a channel we already have.
+
+Metric objects live in a private registry per :class:`ExtractorMetrics`, never at
+import time; each app registers the whole set in its own registry (several apps may
+share one extractor in tests).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from service.storage.base import StorageOp
+
 if TYPE_CHECKING:
-    from service.storage.base import Storage
+    from service.engine.wire import Completion
 
 # Storage calls range from sub-millisecond local heads to multi-second S3 multiparts.
 STORAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-
-class _RetryCollector(Collector):
-    """Exposes the retries each live backend's client has made, read at scrape time."""
-
-    def __init__(self) -> None:
-        self._backends: list[Storage] = []
-        self._lock = threading.Lock()
-
-    def add(self, backend: Storage) -> None:
-        with self._lock:
-            self._backends.append(backend)
-
-    def remove(self, backend: Storage) -> None:
-        with self._lock:
-            if backend in self._backends:
-                self._backends.remove(backend)
-
-    def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "hsx_storage_retries",
-            "Retries made by storage clients (S3: botocore retry attempts).",
-            labels=["backend"],
-        )
-        totals: dict[str, int] = {}
-        with self._lock:
-            for backend in self._backends:
-                totals[backend.scheme] = totals.get(backend.scheme, 0) + backend.retries
-        for scheme, total in sorted(totals.items()):
-            family.add_metric([scheme], total)
-        yield family
+#: Storage operations, pre-registered so every series exists from the start.
+OPERATIONS = ("put", "get", "head", "exists", "list", "delete", "ping")
+#: Why stored states were refused (``hsx_extract_invalid_states_total{reason}``).
+INVALID_STATES_REASONS = ("non_finite", "all_zero_layer")
 
 
 class StorageMetrics:
-    """Latency, bytes, errors and retries of storage operations, by backend."""
+    """Latency, bytes, errors and retries of storage calls, by backend.
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    A :class:`~service.storage.base.StorageObserver`: give it to ``open_storage``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, backend: str | None = None) -> None:
         self.duration = Histogram(
             "hsx_storage_operation_duration_seconds",
             "Duration of storage operations, errors included.",
@@ -82,5 +74,69 @@ class StorageMetrics:
             ["backend", "operation", "kind"],
             registry=registry,
         )
-        self.retries = _RetryCollector()
-        registry.register(self.retries)
+        self.retries = Counter(
+            "hsx_storage_retries",
+            "Retries made by storage clients (S3: botocore retry attempts).",
+            ["backend"],
+            registry=registry,
+        )
+        if backend is not None:
+            for operation in OPERATIONS:
+                self.duration.labels(backend, operation)
+            for counter in (self.written, self.read, self.retries):
+                counter.labels(backend)
+
+    def observe(self, op: StorageOp) -> None:
+        """Record one storage call."""
+        self.duration.labels(op.backend, op.operation).observe(op.seconds)
+        if op.written:
+            self.written.labels(op.backend).inc(op.written)
+        if op.read:
+            self.read.labels(op.backend).inc(op.read)
+        if op.error is not None:
+            self.errors.labels(op.backend, op.operation, op.error).inc()
+        if op.retries:
+            self.retries.labels(op.backend).inc(op.retries)
+
+
+class ExtractorMetrics(Collector):
+    """Everything the extractor reports, whichever request (or none) caused it.
+
+    Fed by every completion message, including those of cancelled requests, so the
+    storage and writer numbers equal the work done.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.registry = CollectorRegistry()
+        self.storage = StorageMetrics(self.registry, backend)
+        self.bytes_in_flight = Gauge(
+            "hsx_writer_bytes_in_flight_bytes",
+            "Bytes copied out of the KV cache but not yet durable, as last reported.",
+            registry=self.registry,
+        )
+        self.peak_bytes_in_flight = Gauge(
+            "hsx_writer_bytes_in_flight_peak_bytes",
+            "The most bytes the writer has held in flight since the engine started.",
+            registry=self.registry,
+        )
+        self.invalid_states = Counter(
+            "hsx_extract_invalid_states",
+            "Prompts whose states failed validation and were not stored, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in INVALID_STATES_REASONS:
+            self.invalid_states.labels(reason)
+
+    def record(self, completion: Completion) -> None:
+        """Apply one completion message: the worker's storage calls and writer state."""
+        for op in completion.storage_ops:
+            self.storage.observe(op)
+        self.bytes_in_flight.set(completion.bytes_in_flight)
+        self.peak_bytes_in_flight.set(completion.peak_bytes_in_flight)
+        failure = completion.failure
+        if failure is not None and failure.type == "invalid_hidden_states" and failure.reason:
+            self.invalid_states.labels(failure.reason).inc()
+
+    def collect(self) -> Iterable[Metric]:
+        return self.registry.collect()

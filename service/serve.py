@@ -8,15 +8,23 @@ was sent is durable. The exit status is 0.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from service import logs, startup
 from service.config import Settings
+from service.startup import StartupError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
 
@@ -36,49 +44,122 @@ def with_demo_model(settings: Settings, directory: Path = DEMO_MODEL_DIR) -> Set
     engine = settings.engine.model_copy(
         update={
             "model": str(directory.resolve()),
-            # Exact float32 and a small cache: the demo runs on any CPU.
+            # Exact float32 and a small cache: the demo runs on any CPU. Eager: compiling
+            # a 4-layer model buys nothing and costs about 40 s of start-up here.
             "dtype": "float32" if settings.engine.dtype == "auto" else settings.engine.dtype,
             "max_model_len": settings.engine.max_model_len or 2048,
+            "extra_args": {"enforce_eager": True, **settings.engine.extra_args},
         }
     )
     return settings.model_copy(update={"engine": engine})
 
 
 def serve(settings: Settings) -> int:
-    """Run the service until SIGINT/SIGTERM; 0 after a clean drain."""
-    from service.api.app import create_app
+    """Run the service until SIGINT/SIGTERM; 0 after a clean drain.
 
-    configure_logging(settings)
-    settings = with_demo_model(settings)
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        timeout_graceful_shutdown=int(settings.server.shutdown_grace_s),
-        log_level="info",
-        access_log=False,
-    )
-    server = DrainingServer(config, on_exit=lambda: setattr(app.state.hsx, "draining", True))
-    # After its graceful shutdown uvicorn re-raises the signal to the handler that was
-    # installed before it started. A drained SIGTERM is a clean stop: make that handler
-    # a no-op so the exit status is 0 (Kubernetes reads anything else as a crash).
-    signal.signal(signal.SIGTERM, _already_drained)
-    server.run()
-    return 0 if server.started else 1
+    A start-up failure prints one line naming the setting (``service.startup``) and
+    returns its exit status; the traceback goes to the debug log (``service.logs``).
+    """
+    path = settings.server.debug_log
+    try:
+        console = logs.setup(path, json_requests=settings.log_json)
+    except OSError as exc:
+        raise StartupError(
+            "server.debug_log",
+            f"cannot write {path}: {exc.strerror or exc}",
+            "point it at a writable file",
+        ) from exc
+    try:
+        return _serve(settings)
+    except StartupError as err:
+        log.debug("hsx: start-up failed", exc_info=True)
+        console.error(err.line)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a failure no check foresaw: still one line, no traceback
+        log.debug("hsx: failed", exc_info=True)
+        console.error(startup.one_line(f"hsx: error: {type(exc).__name__}: {exc}; see {path}"))
+        return 1
 
 
-def configure_logging(settings: Settings) -> None:
-    """hsx's own logs at INFO; with ``log_json`` the request log is bare JSON lines."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if settings.log_json:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        requests = logging.getLogger("hsx.requests")
-        requests.addHandler(handler)
-        requests.propagate = False
+def _serve(settings: Settings) -> int:
+    """Check what can be checked, bind the port, then start uvicorn and the engine."""
+    server_settings = settings.server
+    secret = server_settings.api_keys
+    inline = secret.get_secret_value() if secret is not None else None
+    keys = startup.check_api_keys(server_settings.api_keys_file, inline)
+    asyncio.run(startup.check_storage(settings))
+    sock = startup.bind(server_settings.host, server_settings.port)
+    try:
+        settings = with_demo_model(settings)
+        startup.check_model(str(settings.engine.model), settings.engine.layer_ids)
+        from service.api.app import create_app  # imports vLLM: after the quick checks
+
+        app = create_app(settings, keys=keys)
+        failures = _remember_startup_failure(app)
+        config = uvicorn.Config(
+            app,
+            host=server_settings.host,
+            port=server_settings.port,
+            timeout_graceful_shutdown=int(server_settings.shutdown_grace_s),
+            log_level="info",
+            log_config=None,  # uvicorn's records go through service.logs' handlers
+            access_log=False,
+        )
+        server = DrainingServer(config, on_exit=lambda: setattr(app.state.hsx, "draining", True))
+        # After its graceful shutdown uvicorn re-raises the signal to the handler that
+        # was installed before it started. A drained SIGTERM is a clean stop: make that
+        # handler a no-op so the exit status is 0 (Kubernetes reads anything else as a
+        # crash).
+        signal.signal(signal.SIGTERM, _already_drained)
+        with contextlib.suppress(SystemExit):  # uvicorn exits 3 when the lifespan failed
+            server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failures:
+        raise startup.from_engine(failures[0], _read(server_settings.debug_log), _on_cpu())
+    if not server.started:
+        raise StartupError(None, "the server did not start", "see the debug log", 1)
+    return 0
+
+
+def _remember_startup_failure(app: FastAPI) -> list[BaseException]:
+    """Wrap the app's lifespan so that an exception raised during start-up is kept.
+
+    uvicorn logs a failed lifespan as a traceback and exits; the exception itself is
+    what tells which setting was wrong.
+    """
+    failures: list[BaseException] = []
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_: Any) -> AsyncIterator[Any]:
+        started = False
+        try:
+            async with inner(app_) as state:
+                started = True
+                yield state
+        except BaseException as exc:
+            if not started:
+                failures.append(exc)
+            raise
+
+    app.router.lifespan_context = lifespan
+    return failures
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _already_drained(signum: int, frame: FrameType | None) -> None:

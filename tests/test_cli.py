@@ -49,3 +49,15 @@ def test_make_model_writes_a_loadable_model(tmp_path: Path) -> None:
 
     assert AutoConfig.from_pretrained(tmp_path / "m").num_hidden_layers == 4
     assert AutoTokenizer.from_pretrained(tmp_path / "m")("hello").input_ids
+
+
+def test_misspelled_variable_is_refused_but_dict_keys_pass() -> None:
+    typo = run_hsx("config", env={"HSX_STORAGE__S3__REGOIN": "eu-west-1"})
+    assert typo.returncode == 2
+    assert typo.stderr.strip() == (
+        "hsx: error: HSX_STORAGE__S3__REGOIN is not a setting; did you mean "
+        "HSX_STORAGE__S3__REGION? fix or unset it (`hsx config` prints every setting)"
+    )
+    keyed = run_hsx("config", env={"HSX_ENGINE__EXTRA_ARGS__SEED": "3"})
+    assert keyed.returncode == 0, keyed.stderr
+    assert json.loads(keyed.stdout)["engine"]["extra_args"] == {"seed": "3"}

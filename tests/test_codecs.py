@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load, save
 
 from service import codecs
+from tests.engine.faulty import FaultyStorage
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -230,18 +231,21 @@ def test_prepared_nbytes_is_what_prepare_hands_over(codec: codecs.Codec) -> None
     assert codecs.prepared_nbytes(codec, (37, 3, 128), torch.float32) == actual
 
 
-class StalledStorage:
-    """Real local storage whose puts wait for ``gate``: a store that has stalled."""
+class StalledStorage(FaultyStorage):
+    """Real local storage whose puts wait for ``GATE``: a store that has stalled."""
 
-    def __init__(self, inner: Any, gate: threading.Event) -> None:
-        self.inner, self.gate = inner, gate
-
-    async def put(self, key: str, data: bytes) -> Any:
-        await asyncio.to_thread(self.gate.wait, 60)
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> Any:
+        await asyncio.to_thread(GATE.wait, 60)
         return await self.inner.put(key, data)
 
-    async def close(self) -> None:
-        await self.inner.close()
+
+GATE = threading.Event()
+
+
+def open_stalled_storage(settings: Any) -> StalledStorage:
+    from service.storage import open_backend
+
+    return StalledStorage(open_backend(settings), 0.0)
 
 
 async def test_writer_counts_an_object_at_its_encoded_size(tmp_path: Path) -> None:
@@ -249,10 +253,9 @@ async def test_writer_counts_an_object_at_its_encoded_size(tmp_path: Path) -> No
     from service.config import StorageSettings
     from service.engine.completion import CompletionReceiver, CompletionSender
     from service.engine.writer import WriteJob, WriterPool
-    from service.storage import open_storage
     from service.storage.keys import new_object_key
 
-    gate = threading.Event()
+    GATE.clear()
     receiver = CompletionReceiver(f"ipc://{tmp_path / 'completions.sock'}")
     receiver.start()
     pool = WriterPool(
@@ -260,25 +263,25 @@ async def test_writer_counts_an_object_at_its_encoded_size(tmp_path: Path) -> No
         CompletionSender(receiver.address),
         max_bytes_in_flight=1 << 30,
         max_concurrent_writes=2,
-        storage_factory=lambda s: StalledStorage(open_storage(s), gate),
+        storage_factory="tests.test_codecs:open_stalled_storage",
     )
     x = states(tokens=300)
     copied = x.numel() * x.element_size()
     key = new_object_key("hsx", "default")
     done = receiver.expect(key)
-    in_flight = pool.try_reserve(copied)
-    assert in_flight == copied
-    meta = {"model": "m", "dtype": "float32"}
-    pool.submit(WriteJob(key, x, ids(300), meta, copied, 0.0, in_flight, codec="fp8"))
+    assert pool.try_reserve(copied)
+    assert pool.bytes_in_flight == copied
+    meta = {"model": "m", "dtype": "float32", "layer_ids": "[1, 2, 4]"}
+    pool.submit(WriteJob(key, x, ids(300), meta, copied, codec="fp8"))
     while pool.bytes_in_flight == copied:  # the writer thread encodes
         await asyncio.sleep(0.01)
     encoded = pool.bytes_in_flight
-    gate.set()
+    GATE.set()
     completion = await asyncio.wait_for(done, 60)
-    assert completion.ok, completion.error
-    assert completion.size == encoded == (tmp_path / "objects" / key).stat().st_size
+    assert completion.stored is not None, completion.failure
+    assert completion.stored.size == encoded == (tmp_path / "objects" / key).stat().st_size
     assert encoded < 0.3 * copied  # a quarter of float32, plus scales and the header
-    assert pool.bytes_in_flight == 0
+    assert completion.bytes_in_flight == pool.bytes_in_flight == 0
     pool.close()
     await receiver.close()
 

@@ -17,12 +17,10 @@ from service.api.body_limit import BodyLimitMiddleware
 from service.api.deps import caller_namespace
 from service.api.errors import install_error_handlers
 from service.api.metrics import ExtractMetrics, build_info
-from service.api.routes import extract, meta, objects
+from service.api.routes import extract, listing, meta, objects
 from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
-from service.metrics import StorageMetrics
-from service.storage.instrumented import InstrumentedStorage
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +88,7 @@ def create_app(
     }
     app.include_router(meta.private, **protected)
     app.include_router(extract.router, **protected)
+    app.include_router(listing.router, **protected)
     app.include_router(objects.router, **protected)
     return app
 
@@ -102,8 +101,7 @@ def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
         registry=CollectorRegistry(),
         admission=Admission(settings.limits.max_queued_prompts),
     )
-    state.storage_metrics = StorageMetrics(state.registry)
-    state.metrics = ExtractMetrics(state.registry, state.backend, state.storage_metrics)
+    state.metrics = ExtractMetrics(state.registry, state.backend)
     state.metrics.bytes_limit.set(settings.limits.max_bytes_in_flight)
     state.metrics.prompts_in_flight.set_function(lambda: state.admission.queued)
     state.registry.register(state.engine_metrics)
@@ -111,13 +109,13 @@ def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
 
 
 async def attach_engine(state: ApiState) -> None:
-    """Wire a started extractor in: storage metrics, the probe, layout, build info."""
+    """Wire a started extractor in: its metrics, the probe, layout, build info."""
     import vllm
 
     extractor = state.extractor
-    assert state.storage_metrics is not None
-    storage = InstrumentedStorage(extractor.storage, state.storage_metrics)
-    state.storage, state.probe = storage, StorageProbe(storage)
+    # Storage and writer metrics belong to the extractor (fed by both processes).
+    state.registry.register(extractor.metrics)
+    state.storage, state.probe = extractor.storage, StorageProbe(extractor.storage)
     build_info(state.registry, service.__version__, str(vllm.__version__), extractor.info.name)
     try:
         state.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]

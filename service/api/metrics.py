@@ -15,24 +15,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.engine.extractor import StorageWriteError
-from service.metrics import StorageMetrics
+from service.engine.errors import FAILURES
 
 # A request spans milliseconds (one short prompt) to minutes (a full batch).
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Copy-out and write of one object.
 OBJECT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
-#: The outcomes of one /extract request (the ``outcome`` label).
+#: The outcomes of one /extract request (the ``outcome`` label): ok, refused before the
+#: engine, aborted, or the error type of its worst prompt (``service.engine.errors``).
 OUTCOMES = (
     "ok",
     "rejected",
-    "storage_error",
-    "engine_unavailable",
     "timeout",
     "disconnected",
-    "invalid",
-    "error",
+    *(error.error_type for error in FAILURES),
 )
 
 
@@ -50,14 +47,14 @@ REJECTIONS = (
 class ExtractMetrics:
     """Counters and histograms of ``POST /extract``."""
 
-    def __init__(self, registry: CollectorRegistry, backend: str, storage: StorageMetrics) -> None:
-        self.backend, self._storage_errors = backend, storage.errors
+    def __init__(self, registry: CollectorRegistry, backend: str) -> None:
+        self.backend = backend
         self.requests = Counter(
             "hsx_extract_requests", "Extract requests by outcome.", ["outcome"], registry=registry
         )
         self.prompts = Counter(
             "hsx_extract_prompts",
-            "Prompts by outcome (ok: written).",
+            "Prompts by outcome (ok: written; found: stored before under its custom_id).",
             ["outcome"],
             registry=registry,
         )
@@ -97,11 +94,6 @@ class ExtractMetrics:
             ["reason"],
             registry=registry,
         )
-        self.bytes_in_flight = Gauge(
-            "hsx_writer_bytes_in_flight_bytes",
-            "Bytes copied out but not yet durable, as last reported.",
-            registry=registry,
-        )
         self.bytes_limit = Gauge(
             "hsx_writer_bytes_in_flight_limit_bytes",
             "The ceiling on bytes in flight.",
@@ -114,17 +106,13 @@ class ExtractMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every series exists from the start: rate() works
-        for outcome in ("ok", "failed"):
+        for outcome in ("ok", "found", "failed"):
             self.prompts.labels(outcome)
         self.bytes.labels(backend)
         for reason in ("disconnect", "deadline"):
             self.aborts.labels(reason)
         for reason in REJECTIONS:
             self.rejections.labels(reason)
-        # Worker-side write failures are counted here (the worker has no /metrics).
-        storage.errors.labels(backend, "put", "write")
-        for operation in ("put", "get", "head", "delete", "ping"):
-            storage.duration.labels(backend, operation)
 
     def rejected(self, reason: str) -> None:
         """A request refused before it reached the engine (``reason``: the error type)."""
@@ -144,15 +132,15 @@ class ExtractMetrics:
         for item in outcomes:
             if isinstance(item, BaseException):
                 self.prompts.labels("failed").inc()
-                if isinstance(item, StorageWriteError):  # the worker's write failed
-                    self._storage_errors.labels(self.backend, "put", "write").inc()
+                continue
+            if getattr(item, "found", False):  # stored before (custom_id): nothing written
+                self.prompts.labels("found").inc()
                 continue
             self.prompts.labels("ok").inc()
             self.tokens.inc(item.num_tokens)
             self.bytes.labels(self.backend).inc(item.size)
             self.copy.observe(item.copy_s)
             self.write.observe(item.write_s)
-            self.bytes_in_flight.set(item.bytes_in_flight)
 
 
 class EngineCollector(Collector):

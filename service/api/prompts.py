@@ -7,6 +7,7 @@ from typing import Any
 from service.api.errors import ApiError
 from service.api.schemas import ExtractRequest, Message, PromptObject
 from service.config import LimitsSettings
+from service.masks import conversation_ids
 
 
 def check_request_limits(request: ExtractRequest, limits: LimitsSettings) -> None:
@@ -108,15 +109,9 @@ def _render(tokenizer: Any, messages: list[Message], index: int) -> list[int]:
             field=field,
             index=index,
         )
-    # A conversation that ends with the assistant is complete training data; otherwise
-    # open the assistant's turn, as a chat server would.
-    text = tokenizer.apply_chat_template(
-        [m.model_dump() for m in messages],
-        tokenize=False,
-        add_generation_prompt=messages[-1].role != "assistant",
-    )
-    # The template writes the special tokens (BOS included) itself.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    # Complete conversations are stored as is, others get the assistant's turn opened;
+    # the same render the loss masks are computed from (service.masks).
+    return conversation_ids(tokenizer, [m.model_dump() for m in messages])
 
 
 def _field(prompt: str | PromptObject, index: int) -> str:

@@ -8,9 +8,12 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from service.codecs import Codec
 from service.engine.objects import RESERVED_KEYS
+from service.masks import LossMode
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 MetadataValue = Annotated[str, StringConstraints(max_length=4096)]
+#: Longest ``custom_id``; it is hashed into the key, never used as one.
+MAX_CUSTOM_ID = 256
 
 
 class Message(BaseModel):
@@ -39,6 +42,12 @@ class PromptObject(BaseModel):
     text: str | None = Field(None, min_length=1)
     token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     messages: list[Message] | None = Field(None, min_length=1)
+    custom_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CUSTOM_ID,
+        description="Makes the prompt idempotent: a retry returns the stored object.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> PromptObject:
@@ -85,6 +94,10 @@ class ExtractRequest(BaseModel):
         max_length=64,
         description="Strings stored in each object's __metadata__.",
     )
+    loss: LossMode = Field(
+        "none",
+        description="Store a loss_mask: assistant turns, the last turn, all tokens, or none.",
+    )
     codec: Codec | None = Field(
         None,
         description="How the objects store their states: `raw` (model dtype), `fp8` "
@@ -106,6 +119,16 @@ class ExtractRequest(BaseModel):
             raise ValueError(f"metadata keys {reserved} are reserved")
         return self
 
+    @model_validator(mode="after")
+    def _unique_custom_ids(self) -> ExtractRequest:
+        seen: set[str] = set()
+        for prompt in self.prompts:
+            custom_id = getattr(prompt, "custom_id", None)
+            if custom_id is not None and custom_id in seen:
+                raise ValueError(f"custom_id {custom_id[:64]!r} appears twice in prompts")
+            seen.add(custom_id or "")
+        return self
+
 
 class StoredObject(BaseModel):
     """One durable object."""
@@ -117,6 +140,10 @@ class StoredObject(BaseModel):
     shape: list[int] = Field(description="[num_tokens, num_layers, hidden_size]")
     bytes: int = Field(description="Stored size: the encoded object's bytes.")
     sha256: str
+    num_loss_tokens: int | None = Field(None, description="Supervised tokens (with loss).")
+    status: Literal["created", "found"] = Field(
+        "created", description="found: a prompt with this custom_id was stored before."
+    )
     codec: str = Field("raw", description="How the object stores its states.")
 
 

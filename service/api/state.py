@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from service.api.auth import ApiKeys
 from service.api.metrics import EngineCollector, ExtractMetrics
+from service.api.singleflight import SingleFlight
 from service.config import Settings
-from service.metrics import StorageMetrics
 from service.storage import Storage, scheme_of
 
 
@@ -71,10 +71,11 @@ class ApiState:
     draining: bool = False
     probe: StorageProbe | None = None
     metrics: ExtractMetrics | None = None
-    storage_metrics: StorageMetrics | None = None
     engine_metrics: EngineCollector = field(default_factory=EngineCollector)
-    #: The extractor's storage behind the metrics wrapper (reads and deletes).
+    #: The extractor's storage, instrumented (reads and deletes).
     storage: Storage | None = None
+    #: Idempotent prompts in flight, by key: identical ones share one engine run.
+    flights: SingleFlight[Any] = field(default_factory=SingleFlight)
 
     @property
     def backend(self) -> str:

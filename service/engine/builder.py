@@ -6,10 +6,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from service.config import Settings
+from service.config import EngineSettings, Settings
+from service.engine.wire import ConnectorConfig
 
 CONNECTOR_CLASS = "HsxConnector"
 CONNECTOR_MODULE = "service.engine.connector"
+#: KV-cache size on CPU when the user sets neither it nor a utilisation (docs/cpu.md).
+DEFAULT_CPU_KVCACHE_GIB = 1.0
+GIB = 1024**3
 # Families whose vLLM classes keep Mamba / linear-attention state beside attention.
 _HYBRID_TYPES = {"nemotron_h", "qwen3_next", "jamba", "bamba", "falcon_h1", "zamba2", "plamo2"}
 
@@ -74,22 +78,20 @@ def engine_args(
 
     engine = settings.engine
     on_cpu = _on_cpu()
-    if engine.cpu_kvcache_space_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
     if on_cpu and engine.dtype in ("bfloat16", "float16"):
-        # Spawned CPU workers died with SIGILL in bf16 (vllm-on-cpu.md); fork works.
+        # Spawned CPU workers died with SIGILL in bf16 (docs/cpu.md); fork works.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     prefix_caching = engine.enable_prefix_caching
     if prefix_caching is None:
         # Hybrid prefix caching takes a Mamba "align" path through Triton: GPU only.
         prefix_caching = not (info.hybrid and on_cpu)
-    extra = {
-        "model_name": info.name,
-        "completion_address": completion_address,
-        "storage": settings.storage.model_dump(mode="json"),
-        "max_bytes_in_flight": settings.limits.max_bytes_in_flight,
-        "storage_factory": storage_factory,
-    }
+    connector = ConnectorConfig(
+        model_name=info.name,
+        completion_address=completion_address,
+        storage=settings.storage,
+        max_bytes_in_flight=settings.limits.max_bytes_in_flight,
+        storage_factory=storage_factory,
+    )
     return AsyncEngineArgs(
         model=engine.model,
         served_model_name=[info.name],
@@ -97,7 +99,6 @@ def engine_args(
         max_model_len=engine.max_model_len,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         tensor_parallel_size=engine.tensor_parallel_size,
-        gpu_memory_utilization=engine.gpu_memory_utilization,
         enable_prefix_caching=prefix_caching,
         speculative_config={
             "method": "extract_hidden_states",
@@ -108,10 +109,37 @@ def engine_args(
             kv_connector=CONNECTOR_CLASS,
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_producer",
-            kv_connector_extra_config=extra,
+            kv_connector_extra_config=connector.to_extra_config(),
         ),
-        **{"worker_extension_cls": WORKER_EXTENSION, **engine.extra_args},
+        **{
+            "worker_extension_cls": WORKER_EXTENSION,
+            **memory_args(engine, on_cpu),
+            **engine.extra_args,
+        },
     )
+
+
+def memory_args(engine: EngineSettings, on_cpu: bool) -> dict[str, Any]:
+    """vLLM's memory arguments: on CPU a fixed KV-cache size unless the user sizes it.
+
+    vLLM's CPU worker reads ``gpu_memory_utilization`` (default 0.9) as a share of NUMA
+    node 0 that must be free when the worker starts, and refuses to start otherwise:
+    on a loaded machine that fails however small the model. With
+    ``kv_cache_memory_bytes`` set it skips that check and only asks that the cache
+    itself fits in the node's free memory (``CPUWorker.__init__`` and
+    ``determine_available_memory`` in vllm/v1/worker/cpu_worker.py). A user's
+    ``VLLM_CPU_KVCACHE_SPACE`` still wins: vLLM's platform applies it after these.
+    """
+    args: dict[str, Any] = {}
+    if engine.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    if on_cpu:
+        gib = engine.cpu_kvcache_space_gib
+        if gib is None and engine.gpu_memory_utilization is None:
+            gib = DEFAULT_CPU_KVCACHE_GIB
+        if gib is not None:
+            args["kv_cache_memory_bytes"] = int(gib * GIB)
+    return args
 
 
 #: Adds hsx's introspection methods to vLLM's worker (see service.engine.introspect).

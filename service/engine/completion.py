@@ -7,47 +7,26 @@ carrying an error message. pyzmq ships with vLLM, and vLLM itself talks between 
 processes this way. The worker (tensor-parallel rank 0) PUSHes one message per object;
 the API process binds the PULL end before the engine starts and resolves one future per
 object key. Keys are unique and made by the server, so they are the correlation id.
+Messages are :class:`service.engine.wire.Completion` (JSON, validated on receipt); they
+also carry the worker's storage calls for ``/metrics`` (why there: ``service.metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from service.engine.wire import Completion
+
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Completion:
-    """Outcome of writing one object."""
-
-    key: str
-    ok: bool
-    size: int = 0
-    sha256: str = ""
-    uri: str = ""
-    error: str = ""
-    num_tokens: int = 0
-    shape: tuple[int, ...] = ()
-    copy_s: float = 0.0
-    write_s: float = 0.0
-    bytes_in_flight: int = 0  # the writer's in-flight bytes right after this copy-out
-
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> Completion:
-        data: dict[str, Any] = json.loads(raw)
-        data["shape"] = tuple(data.get("shape", ()))
-        return cls(**data)
+__all__ = ["Completion", "CompletionReceiver", "CompletionSender"]
 
 
 class CompletionSender:
@@ -60,9 +39,11 @@ class CompletionSender:
         self._socket.connect(address)
 
     def send(self, completion: Completion) -> None:
+        """Queue one message (ZeroMQ sends it on its own I/O thread)."""
         self._socket.send(completion.encode())
 
     def close(self) -> None:
+        """Close, flushing queued messages for up to the linger time."""
         self._socket.close()
         self._context.term()
 
@@ -72,7 +53,8 @@ class CompletionReceiver:
 
     ``expect`` is called before the request is submitted, so a completion never
     precedes its waiter. One for a key nobody waits on any more (the request was
-    cancelled) goes to ``on_orphan``.
+    cancelled) goes to ``on_orphan``. Every message, waited on or not, is first shown
+    to ``on_message`` (metrics).
     """
 
     def __init__(self, address: str) -> None:
@@ -84,9 +66,13 @@ class CompletionReceiver:
         self._waiting: dict[str, asyncio.Future[Completion]] = {}
         self._abandoned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
-        self.on_orphan: Any = None  # async callable(Completion) for abandoned keys
+        #: Called with the completion of an abandoned key (e.g. to delete its object).
+        self.on_orphan: Callable[[Completion], Coroutine[Any, Any, None]] | None = None
+        #: Called with every completion received.
+        self.on_message: Callable[[Completion], None] | None = None
 
     def start(self) -> None:
+        """Start receiving on the running event loop."""
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="hsx-completions")
 
     def expect(self, key: str) -> asyncio.Future[Completion]:
@@ -95,9 +81,13 @@ class CompletionReceiver:
         self._waiting[key] = future
         return future
 
-    def abandon(self, key: str) -> None:
-        """Nobody waits for ``key`` any more; its completion goes to ``on_orphan``."""
-        future = self._waiting.pop(key, None)
+    def abandon(self, key: str, waiter: asyncio.Future[Completion] | None = None) -> None:
+        """Nobody waits for ``key`` any more; its completion goes to ``on_orphan``.
+
+        ``waiter`` is the future ``expect`` gave: its completion may already have been
+        delivered (the caller was cancelled before it resumed) and must not be lost.
+        """
+        future = self._waiting.pop(key, None) or waiter
         if future is not None and future.done() and not future.cancelled():
             self._dispatch_orphan(future.result())
             return
@@ -114,9 +104,14 @@ class CompletionReceiver:
             raw = await self._socket.recv()
             try:
                 completion = Completion.decode(raw)
-            except (ValueError, TypeError):
-                log.exception("dropping a malformed completion message")
+            except ValueError as exc:  # pydantic's ValidationError is one
+                log.error("dropping a malformed completion message: %s", exc)
                 continue
+            if self.on_message is not None:
+                try:
+                    self.on_message(completion)
+                except Exception:  # metrics must never stop delivery
+                    log.exception("completion observer failed")
             self._deliver(completion)
 
     def _deliver(self, completion: Completion) -> None:
@@ -132,6 +127,7 @@ class CompletionReceiver:
             future.set_result(completion)
 
     async def close(self) -> None:
+        """Stop receiving; cancel every waiter; release the socket."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

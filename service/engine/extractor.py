@@ -12,55 +12,28 @@ import logging
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from service import codecs
 from service.config import Settings
 from service.engine.builder import ModelInfo, engine_args, read_model_info, resolve_layer_ids
-from service.engine.completion import Completion, CompletionReceiver
-from service.engine.connector import REQUEST_ARG
-from service.storage import Storage
-from service.storage import storage_factory as open_storage_with
-from service.storage.keys import new_object_key
+from service.engine.completion import CompletionReceiver
+from service.engine.errors import (
+    EngineUnavailableError,
+    ExtractionError,
+    InvalidPromptError,
+    InvalidStatesError,
+    StorageWriteError,
+)
+from service.engine.wire import Completion, Extraction, RequestParams
+from service.metrics import ExtractorMetrics
+from service.storage import Storage, open_storage, scheme_of
+from service.storage.keys import is_idempotent_key, new_object_key
 
 log = logging.getLogger(__name__)
 
-
-class ExtractionError(Exception):
-    """An extraction did not produce an object."""
-
-
-class StorageWriteError(ExtractionError):
-    """The hidden states were computed but could not be written."""
-
-
-class EngineUnavailableError(ExtractionError):
-    """The engine is dead or shutting down."""
-
-
-class InvalidPromptError(ExtractionError, ValueError):
-    """The engine refused the prompt (too long, bad token ids)."""
-
-
-@dataclass(frozen=True)
-class Extraction:
-    """One durable object and what it holds."""
-
-    key: str
-    uri: str
-    size: int
-    sha256: str
-    num_tokens: int
-    shape: tuple[int, ...]
-    prompt_tokens: int
-    output_token_ids: tuple[int, ...]
-    copy_s: float = 0.0  # copy-out from the KV cache to host memory
-    write_s: float = 0.0  # encode and write to storage
-    bytes_in_flight: int = 0  # the writer's in-flight bytes right after this copy-out
-    codec: str = "raw"  # how the object stores its states (service.codecs)
-    layer_ids: tuple[int, ...] = ()  # the layers it holds
+__all__ = ["Extraction", "Extractor"]
 
 
 class Extractor:
@@ -72,25 +45,25 @@ class Extractor:
         engine: Any,
         receiver: CompletionReceiver,
         storage: Storage,
+        metrics: ExtractorMetrics,
         info: ModelInfo,
         layer_ids: list[int],
         scratch: tempfile.TemporaryDirectory[str],
     ) -> None:
         self.settings, self.engine, self.info, self.layer_ids = settings, engine, info, layer_ids
         self._receiver, self._storage, self._scratch = receiver, storage, scratch
+        #: Storage and writer metrics of both processes; an app registers them.
+        self.metrics = metrics
         self._receiver.on_orphan = self._remove_orphan
         self.dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
         self.max_model_len = int(engine.vllm_config.model_config.max_model_len)
-        #: Highest in-flight byte count the writer reported (copied out, not yet durable).
-        self.peak_bytes_in_flight = 0
-        #: Requests handed to the engine so far (the API's tests count on it).
-        self.requests_submitted = 0
         #: The codecs this server offers (service.codecs).
         self.codecs = codecs.offered(self.dtype)
 
     @property
     def storage(self) -> Storage:
-        """The storage objects are written to (reads and deletes go through it)."""
+        """The storage objects are written to (reads and deletes go through it; its
+        calls are counted in ``metrics``)."""
         return self._storage
 
     @property
@@ -111,8 +84,9 @@ class Extractor:
     async def start(cls, settings: Settings, *, storage_factory: str | None = None) -> Extractor:
         """Start the engine for ``settings.engine.model``.
 
-        ``storage_factory`` ("module:callable") replaces ``open_storage`` in the worker;
-        tests use it to inject storage faults. Raises ValueError for bad layer ids.
+        ``storage_factory`` ("module:callable") builds the storage backend in both
+        processes instead of the URL's (tests inject storage faults with it; it is
+        instrumented like any backend). Raises ValueError for bad layer ids.
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -122,7 +96,9 @@ class Extractor:
         info = read_model_info(model)
         layer_ids = resolve_layer_ids(settings.engine.layer_ids, info.num_layers)
         scratch = tempfile.TemporaryDirectory(prefix="hsx-")
+        metrics = ExtractorMetrics(scheme_of(settings.storage.url))
         receiver = CompletionReceiver(f"ipc://{Path(scratch.name) / 'completions.sock'}")
+        receiver.on_message = metrics.record
         receiver.start()
         args = engine_args(settings, info, layer_ids, receiver.address, storage_factory)
         try:
@@ -131,8 +107,8 @@ class Extractor:
             await receiver.close()
             scratch.cleanup()
             raise
-        storage = open_storage_with(storage_factory)(settings.storage)
-        extractor = cls(settings, engine, receiver, storage, info, layer_ids, scratch)
+        storage = open_storage(settings.storage, metrics.storage, factory=storage_factory)
+        extractor = cls(settings, engine, receiver, storage, metrics, info, layer_ids, scratch)
         try:  # the served dtype is known only now ("auto")
             codecs.check_codec(settings.storage.codec, extractor.dtype)
         except ValueError as exc:
@@ -140,7 +116,7 @@ class Extractor:
             raise ValueError(f"storage.codec: {exc}") from None
         return extractor
 
-    def check_codec(self, codec: str | None) -> str:
+    def check_codec(self, codec: str | None) -> codecs.Codec:
         """The codec a request gets (``storage.codec`` when None); ValueError naming the
         codecs offered otherwise."""
         return codecs.check_codec(codec or self.settings.storage.codec, self.dtype)
@@ -165,75 +141,60 @@ class Extractor:
         max_tokens: int = 1,
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
+        loss_spans: Sequence[tuple[int, int]] | None = None,
+        key: str | None = None,
         codec: str | None = None,
         layers: Sequence[int] | None = None,
     ) -> Extraction:
         """Run one prompt; return its object once durable.
 
-        ``codec`` (``service.codecs``; default ``storage.codec``) says how the object
-        stores its states, ``layers`` which of the served layer ids it holds (default
-        all). Raises ValueError for a codec or layers not served (before the engine
-        sees anything), InvalidPromptError, StorageWriteError, EngineUnavailableError.
-        If the caller is cancelled, the engine request is aborted and no object remains.
+        ``loss_spans`` (supervised ``[start, end)`` ranges of the prompt) stores a
+        ``loss_mask``; ``key`` replaces the random key (a server-made deterministic one,
+        ``service.storage.keys.idempotent_key``); ``codec`` (``service.codecs``; default
+        ``storage.codec``) says how the object stores its states, ``layers`` which of the
+        served layer ids it holds (default all).
+        Raises ValueError for a codec or layers not served (before the engine sees
+        anything), InvalidPromptError, StorageWriteError, InvalidStatesError,
+        EngineUnavailableError (all ExtractionError, see ``service.engine.errors``). If
+        the caller is cancelled, the engine request is aborted and no object remains
+        (except under an idempotent key: see ``_remove_orphan``).
         """
-        codec = self.check_codec(codec)
+        chosen = self.check_codec(codec)
         self.check_layers(layers)
-        stored = tuple(layers if layers is not None else self.layer_ids)
-        key = new_object_key(self.settings.storage.key_prefix, namespace)
+        key = key or new_object_key(self.settings.storage.key_prefix, namespace)
+        params = RequestParams(
+            key=key,
+            include_output_tokens=include_output_tokens,
+            metadata=dict(metadata or {}),
+            loss_spans=None if loss_spans is None else tuple(loss_spans),
+            codec=chosen,
+            layers=None if layers is None else tuple(layers),
+        )
         waiter = self._receiver.expect(key)
         try:
-            output = await self._generate(
-                key,
-                list(prompt_token_ids),
-                max_tokens,
-                include_output_tokens,
-                metadata,
-                codec=codec,
-                layers=list(layers) if layers is not None else None,
-            )
+            output = await self._generate(params, list(prompt_token_ids), max_tokens)
             completion = await waiter
         except BaseException:
-            self._receiver.abandon(key)
+            self._receiver.abandon(key, waiter)
             raise
-        self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, completion.bytes_in_flight)
-        if not completion.ok:
-            raise StorageWriteError(completion.error)
-        return _extraction(completion, output, codec, stored)
+        stored = tuple(self.layer_ids if layers is None else layers)
+        return _extraction(completion, output, chosen, stored)
 
-    async def _generate(
-        self,
-        key: str,
-        prompt: list[int],
-        max_tokens: int,
-        include_output_tokens: bool,
-        metadata: Mapping[str, str] | None,
-        *,
-        codec: str,
-        layers: list[int] | None,
-    ) -> Any:
+    async def _generate(self, params: RequestParams, prompt: list[int], max_tokens: int) -> Any:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-        params = SamplingParams(
+        sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0,
             detokenize=False,
-            extra_args={
-                REQUEST_ARG: {
-                    "key": key,
-                    "include_output_tokens": include_output_tokens,
-                    "metadata": dict(metadata or {}),
-                    "codec": codec,
-                    "layers": layers,
-                }
-            },
+            extra_args=params.to_extra_args(),
         )
         final = None
-        self.requests_submitted += 1
         try:
             stream = self.engine.generate(
-                TokensPrompt(prompt_token_ids=prompt), params, f"hsx-{uuid.uuid4().hex}"
+                TokensPrompt(prompt_token_ids=prompt), sampling, f"hsx-{uuid.uuid4().hex}"
             )
             async for output in stream:
                 final = output
@@ -248,8 +209,12 @@ class Extractor:
         return final
 
     async def _remove_orphan(self, completion: Completion) -> None:
-        """A cancelled request's object was written anyway: remove it."""
-        if completion.ok:
+        """A cancelled request's object was written anyway: remove it.
+
+        Except under an idempotent key: the object is complete, and what a retry of
+        the prompt looks for.
+        """
+        if completion.stored is not None and not is_idempotent_key(completion.key):
             with contextlib.suppress(Exception):
                 await self._storage.delete(completion.key)
 
@@ -284,19 +249,19 @@ def _release_vllm_resources(engine: Any) -> None:
 def _extraction(
     completion: Completion, output: Any, codec: str, layer_ids: tuple[int, ...]
 ) -> Extraction:
-    generated = tuple(output.outputs[0].token_ids) if output.outputs else ()
+    """The prompt's result, or its failure raised as the matching ExtractionError."""
+    failure = completion.failure
+    if failure is not None:
+        if failure.type == "invalid_hidden_states":
+            raise InvalidStatesError(failure.message, failure.reason or "")
+        if failure.type == "storage_error":
+            raise StorageWriteError(failure.message)
+        raise ExtractionError(failure.message)
+    assert completion.stored is not None
     return Extraction(
-        key=completion.key,
-        uri=completion.uri,
-        size=completion.size,
-        sha256=completion.sha256,
-        num_tokens=completion.num_tokens,
-        shape=completion.shape,
+        **completion.stored.model_dump(),
         prompt_tokens=len(output.prompt_token_ids or ()),
-        output_token_ids=generated,
-        copy_s=completion.copy_s,
-        write_s=completion.write_s,
-        bytes_in_flight=completion.bytes_in_flight,
+        output_token_ids=tuple(output.outputs[0].token_ids) if output.outputs else (),
         codec=codec,
         layer_ids=layer_ids,
     )

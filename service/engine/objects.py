@@ -2,9 +2,10 @@
 
 Tensors ``hidden_states`` [num_tokens, num_layers, hidden_size] (model dtype) and
 ``token_ids`` int64 [num_tokens], the names and layout of vLLM's example connector, so
-existing loaders (speculators) read our files. ``__metadata__`` holds strings only.
-Other codecs (``service.codecs``) change how the states are stored; ``hsx.codec`` in
-the metadata says which one, and ``service.codecs.decode`` reads any of them.
+existing loaders (speculators) read our files; ``loss_mask`` uint8 [num_tokens] (aligned
+with ``token_ids``, unshifted) when the request asked for one. ``__metadata__`` holds
+strings only. Other codecs (``service.codecs``) change how the states are stored;
+``hsx.codec`` in the metadata says which one, and ``service.codecs.decode`` reads any.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ def serialize(
     token_ids: Any,
     metadata: Mapping[str, str],
     prepared: Mapping[str, Any] | None = None,
+    loss_mask: Any = None,
 ) -> bytes:
     """safetensors bytes of one object (tensors must be on the CPU).
 
     ``prepared``: the codec's first stage already ran on the device (CUDA), these are
     its tensors; otherwise it runs here, on ``hidden_states``.
     """
+    import torch
+
     tensors = prepared if prepared is not None else codecs.prepare(codec, hidden_states)
-    return codecs.pack(codec, tensors, token_ids, metadata)
+    extra = {} if loss_mask is None else {"loss_mask": loss_mask.to(torch.uint8)}
+    return codecs.pack(codec, tensors, token_ids, metadata, extra)

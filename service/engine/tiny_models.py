@@ -70,7 +70,7 @@ def _config(kind: Kind, vocab_size: int, max_len: int) -> object:
         return LlamaConfig(num_hidden_layers=4, **common)
     from transformers import NemotronHConfig
 
-    # Mamba2, MLP, Mamba2, attention: the pattern checked on CPU (vllm-on-cpu.md).
+    # Mamba2, MLP, Mamba2, attention: the pattern checked on CPU (docs/cpu.md).
     return NemotronHConfig(
         layers_block_type=["mamba", "mlp", "mamba", "attention"],
         head_dim=32,

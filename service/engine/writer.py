@@ -1,4 +1,4 @@
-"""The worker-side writer pool: serialise objects and write them through service.storage.
+"""The worker-side writer pool: validate, serialise and write objects through service.storage.
 
 It runs one asyncio loop on its own thread (the storage interface is async; vLLM's worker
 is not), bounds concurrent writes, and accounts for the bytes copied out of the KV cache
@@ -6,45 +6,73 @@ but not yet durable. The connector reserves bytes before each copy-out; past the
 it keeps the request's blocks held instead, so memory stays bounded and the scheduler
 slows down when storage is slow. Objects are encoded (``service.codecs``) here, off the
 forward pass; once encoded, an object counts at its encoded size.
+
+Every object ends in exactly one :class:`~service.engine.wire.Completion` to the API
+process. Each one also carries the storage calls made since the previous one (the
+worker's storage is instrumented like the API's, see ``service.metrics``) and the
+in-flight bytes after its own were released, so the API's gauge reads 0 once idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from service import codecs
 from service.codecs import Codec
 from service.config import StorageSettings
-from service.engine.completion import Completion, CompletionSender
+from service.engine.completion import CompletionSender
+from service.engine.errors import InvalidStatesError
 from service.engine.objects import serialize
-from service.storage import open_storage
+from service.engine.wire import Completion, StoredObject, WriteFailure
+from service.storage import StorageError, StorageOp, open_storage
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class WriteJob:
-    """One object to write: its tensors are already on the host."""
+    """One object to write: its states are on the host, or being copied there."""
 
     key: str
     hidden_states: Any
     token_ids: Any
     metadata: Mapping[str, str]
     nbytes: int
-    copy_s: float
-    bytes_in_flight: int
-    wait_ready: Callable[[], None] = field(default=lambda: None)  # e.g. a CUDA event
+    #: uint8 [num_tokens], 1 on supervised tokens, when the request asked for a loss mask.
+    loss_mask: Any = None
+    #: Blocks until the states are on the host; returns the copy's duration in seconds.
+    wait_copied: Callable[[], float] = field(default=lambda: 0.0)
     release: Callable[[], None] = field(default=lambda: None)  # e.g. return a pinned buffer
     codec: Codec = "raw"
     #: The codec's device stage already ran (CUDA): its host tensors. ``hidden_states``
     #: is then their ``hidden_states`` (same shape; fp8 or bf16 values).
     prepared: dict[str, Any] | None = None
+
+
+class OpBuffer:
+    """The worker's storage observer: keeps calls until the next completion takes them."""
+
+    def __init__(self) -> None:
+        self._ops: deque[StorageOp] = deque()
+
+    def observe(self, op: StorageOp) -> None:
+        self._ops.append(op)  # deque.append is atomic: safe from the storage's threads
+
+    def drain(self) -> tuple[StorageOp, ...]:
+        """Every call observed so far, oldest first, and forget them."""
+        ops = []
+        while self._ops:
+            ops.append(self._ops.popleft())
+        return tuple(ops)
 
 
 class WriterPool:
@@ -57,12 +85,14 @@ class WriterPool:
         *,
         max_bytes_in_flight: int,
         max_concurrent_writes: int,
-        storage_factory: Callable[[StorageSettings], Any] = open_storage,
+        storage_factory: str | None = None,
     ) -> None:
         self.max_bytes_in_flight = max_bytes_in_flight
         self._sender = sender
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._peak = 0
+        self._ops = OpBuffer()
         self._loop = asyncio.new_event_loop()
         # Encoding runs torch ops in these threads: one intra-op thread each, or every
         # writer spins up its own OpenMP team against the forward pass's cores.
@@ -72,7 +102,7 @@ class WriterPool:
         self._thread = threading.Thread(target=self._loop.run_forever, name="hsx-writer")
         self._thread.daemon = True
         self._thread.start()
-        self._storage = storage_factory(storage)
+        self._storage = open_storage(storage, self._ops, factory=storage_factory)
         self._limit = asyncio.Semaphore(max_concurrent_writes)
         self._pending: set[Future[None]] = set()
 
@@ -84,22 +114,18 @@ class WriterPool:
         """Bytes copied out of the KV cache and not yet durable (or failed)."""
         return self._in_flight
 
-    def try_reserve(self, nbytes: int) -> int | None:
-        """Reserve room for ``nbytes``; None when over the ceiling.
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve room for ``nbytes``; False when over the ceiling.
 
         One object larger than the ceiling is let through when nothing else is in
-        flight, or it could never be written. Returns the in-flight total after it.
+        flight, or it could never be written.
         """
         with self._lock:
             if self._in_flight and self._in_flight + nbytes > self.max_bytes_in_flight:
-                return None
+                return False
             self._in_flight += nbytes
-            return self._in_flight
-
-    def release(self, nbytes: int) -> None:
-        """Give back a reservation that was never submitted."""
-        with self._lock:
-            self._in_flight -= nbytes
+            self._peak = max(self._peak, self._in_flight)
+            return True
 
     def _shrink(self, job: WriteJob, encoded: int) -> None:
         """Count ``job`` at its encoded size from now on (the host copy is released)."""
@@ -109,60 +135,79 @@ class WriterPool:
                 job.nbytes = encoded
 
     def submit(self, job: WriteJob) -> None:
-        """Queue ``job``; its completion (success or error) goes to the sender."""
+        """Queue ``job`` (its bytes reserved); its completion goes to the sender."""
         future = asyncio.run_coroutine_threadsafe(self._write(job), self._loop)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
 
+    def report_failure(self, key: str, failure: WriteFailure, nbytes: int = 0) -> None:
+        """Report a job that failed before it reached the pool, releasing ``nbytes``."""
+        self._call(self._complete(key, nbytes, failure=failure))
+
     async def _write(self, job: WriteJob) -> None:
         async with self._limit:
             start = time.perf_counter()
+            stored: StoredObject | None = None
+            failure: WriteFailure | None = None
             try:
-                await asyncio.to_thread(job.wait_ready)
-                data = await asyncio.to_thread(
-                    serialize,
-                    job.codec,
-                    job.hidden_states,
-                    job.token_ids,
-                    job.metadata,
-                    job.prepared,
-                )
+                copy_s = await asyncio.to_thread(job.wait_copied)
+                data = await asyncio.to_thread(self._prepare, job)
                 shape = tuple(job.hidden_states.shape)
                 job.hidden_states = job.prepared = None  # encoded: the host copy can go
-                job.release()
                 self._shrink(job, len(data))
                 ref = await self._storage.put(job.key, data)
-                completion = Completion(
+                stored = StoredObject(
                     key=job.key,
-                    ok=True,
+                    uri=ref.uri,
                     size=ref.size,
                     sha256=ref.sha256,
-                    uri=ref.uri,
                     num_tokens=int(job.token_ids.shape[0]),
                     shape=shape,
-                    copy_s=job.copy_s,
+                    num_loss_tokens=_count(job.loss_mask),
+                    copy_s=copy_s,
                     write_s=time.perf_counter() - start,
-                    bytes_in_flight=job.bytes_in_flight,
                 )
             except Exception as exc:
-                job.release()
-                log.warning("hidden-state write failed for %s: %s", job.key, exc)
-                completion = Completion(
-                    key=job.key,
-                    ok=False,
-                    error=f"{type(exc).__name__}: {exc}",
-                    bytes_in_flight=job.bytes_in_flight,
-                )
+                failure = _failure(exc)
+                log.warning("hidden-state object %s not written: %s", job.key, failure.message)
             finally:
-                self.release(job.nbytes)
-        self._sender.send(completion)
+                job.release()
+        await self._complete(job.key, job.nbytes, stored=stored, failure=failure)
 
-    def report_failure(self, key: str, error: str) -> None:
-        """Report a job that failed before it reached the pool (e.g. in copy-out)."""
-        completion = Completion(key=key, ok=False, error=error)
-        self._call(self._send(completion))
+    def _prepare(self, job: WriteJob) -> bytes:
+        """Validate, then serialise (on a thread: both read the whole tensor)."""
+        from service.engine.validation import check_states
 
-    async def _send(self, completion: Completion) -> None:
+        layer_ids = json.loads(job.metadata.get("layer_ids", "null"))
+        if job.prepared is None:
+            check_states(job.hidden_states, layer_ids)
+        else:  # encoded on the GPU: check what a reader will get back
+            check_states(codecs.restore(job.codec, job.prepared), layer_ids)
+        return serialize(
+            job.codec, job.hidden_states, job.token_ids, job.metadata, job.prepared, job.loss_mask
+        )
+
+    async def _complete(
+        self,
+        key: str,
+        nbytes: int,
+        *,
+        stored: StoredObject | None = None,
+        failure: WriteFailure | None = None,
+    ) -> None:
+        # Release and send without an await between them: messages leave in the order
+        # of releases, so the last one reports what is left in flight (0 when idle).
+        with self._lock:
+            self._in_flight -= nbytes
+            in_flight, peak = self._in_flight, self._peak
+        completion = Completion(
+            key=key,
+            stored=stored,
+            failure=failure,
+            bytes_in_flight=in_flight,
+            peak_bytes_in_flight=peak,
+            storage_ops=self._ops.drain(),
+        )
         self._sender.send(completion)
 
     def close(self, timeout: float = 60.0) -> None:
@@ -178,6 +223,19 @@ class WriterPool:
 
     async def _close_sender(self) -> None:
         self._sender.close()
+
+
+def _count(loss_mask: Any) -> int | None:
+    return None if loss_mask is None else int(loss_mask.sum())
+
+
+def _failure(exc: Exception) -> WriteFailure:
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, InvalidStatesError):
+        return WriteFailure(type="invalid_hidden_states", message=str(exc), reason=exc.reason)
+    if isinstance(exc, StorageError):
+        return WriteFailure(type="storage_error", message=message)
+    return WriteFailure(type="internal_error", message=message)
 
 
 def _one_torch_thread() -> None:

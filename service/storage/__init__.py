@@ -1,8 +1,10 @@
 """Pluggable object storage, chosen by URL scheme.
 
-``open_storage(settings)`` looks the URL's scheme up in a small registry of lazily
-imported backends (so boto3 is only imported when an ``s3://`` URL is used) and wraps
-the backend in :class:`InstrumentedStorage` when metrics are given.
+``open_backend(settings)`` looks the URL's scheme up in a small registry of lazily
+imported backends (so boto3 is only imported when an ``s3://`` URL is used).
+``open_storage(settings, observer)`` is what the service uses, in the API process and
+in the engine's worker: the backend (or a factory's) wrapped in the one metrics
+decorator, :class:`~service.storage.instrumented.InstrumentedStorage`.
 """
 
 from __future__ import annotations
@@ -17,16 +19,22 @@ from service.storage.base import (
     IntegrityError,
     InvalidKeyError,
     NotFoundError,
+    ObjectInfo,
+    ObjectPage,
+    ObjectReader,
     ObjectRef,
     Storage,
     StorageConfigError,
     StorageError,
+    StorageObserver,
+    StorageOp,
     StorageUnavailableError,
 )
 
 if TYPE_CHECKING:
     from service.config import StorageSettings
-    from service.metrics import StorageMetrics
+
+BackendFactory = Callable[["StorageSettings"], Storage]
 
 # scheme -> "module:Class"; each class has from_settings(url, settings).
 BACKENDS: dict[str, str] = {
@@ -40,14 +48,20 @@ __all__ = [
     "IntegrityError",
     "InvalidKeyError",
     "NotFoundError",
+    "ObjectInfo",
+    "ObjectPage",
+    "ObjectReader",
     "ObjectRef",
     "Storage",
     "StorageConfigError",
     "StorageError",
+    "StorageObserver",
+    "StorageOp",
     "StorageUnavailableError",
+    "backend_factory",
+    "open_backend",
     "open_storage",
     "scheme_of",
-    "storage_factory",
 ]
 
 
@@ -58,8 +72,8 @@ def scheme_of(url: str) -> str:
     return scheme if len(scheme) > 1 else "file"
 
 
-def open_storage(settings: StorageSettings, metrics: StorageMetrics | None = None) -> Storage:
-    """Build the backend that ``settings.url`` names, instrumented if ``metrics`` given.
+def open_backend(settings: StorageSettings) -> Storage:
+    """Build the bare backend that ``settings.url`` names (no metrics).
 
     Raises ValueError for an unknown scheme or a malformed URL.
     """
@@ -71,20 +85,38 @@ def open_storage(settings: StorageSettings, metrics: StorageMetrics | None = Non
     module_name, class_name = target.split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
     backend: Storage = backend_cls.from_settings(settings.url, settings)
-    if metrics is None:
-        return backend
+    return backend
+
+
+class _Discard:
+    def observe(self, op: StorageOp) -> None:
+        return None
+
+
+def open_storage(
+    settings: StorageSettings,
+    observer: StorageObserver | None = None,
+    *,
+    factory: str | None = None,
+) -> Storage:
+    """The storage the service uses: the backend, instrumented, reporting to ``observer``.
+
+    ``factory`` ("module:callable", see :func:`backend_factory`) builds the backend
+    instead of :func:`open_backend`. Without an observer the calls are timed and
+    dropped. Raises ValueError for an unknown scheme or a malformed URL.
+    """
     from service.storage.instrumented import InstrumentedStorage
 
-    return InstrumentedStorage(backend, metrics)
+    backend = backend_factory(factory)(settings)
+    return InstrumentedStorage(backend, observer if observer is not None else _Discard())
 
 
-def storage_factory(path: str | None) -> Callable[[StorageSettings], Storage]:
-    """``open_storage``, or the ``"module:callable"`` named by ``path`` (fault injection
-    in tests; a custom backend in a deployment)."""
+def backend_factory(path: str | None) -> BackendFactory:
+    """``open_backend``, or the ``"module:callable"`` named by ``path`` (fault injection
+    in tests; a custom backend in a deployment). It returns a bare backend: metrics
+    are added by :func:`open_storage`."""
     if not path:
-        return open_storage
+        return open_backend
     module_name, name = path.split(":")
-    factory: Callable[[StorageSettings], Storage] = getattr(
-        importlib.import_module(module_name), name
-    )
+    factory: BackendFactory = getattr(importlib.import_module(module_name), name)
     return factory

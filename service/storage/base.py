@@ -6,11 +6,17 @@ A backend stores opaque bytes under server-made keys. Its contract:
   complete object; if they raise, no object (and no partial object) exists under it.
 * ``get`` / ``head`` raise :class:`NotFoundError` for a missing key.
 * ``delete`` is idempotent.
+* ``list`` pages through the keys under a prefix in ascending key order, starting
+  after a given key (S3's ``StartAfter``), so a page boundary never skips or repeats.
 * ``ping`` raises :class:`StorageUnavailableError` when the store cannot be reached.
 * Blocking work runs on the backend's own thread pool, never on the event loop.
 
-Backends never record metrics: :class:`service.storage.instrumented.InstrumentedStorage`
-wraps each one. The contract test suite in ``tests/storage/contract.py`` pins all of it.
+Backends never record metrics: :func:`service.storage.open_storage` wraps each one in
+:class:`service.storage.instrumented.InstrumentedStorage`, which reports every call as a
+:class:`StorageOp` to a :class:`StorageObserver`. Optional features (a presigned URL, a
+streamed read) are methods of this interface with a default, so callers never need to
+know which backend, or which wrapper, they hold. The contract test suite in
+``tests/storage/contract.py`` pins all of it.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ import abc
 import asyncio
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 _T = TypeVar("_T")
 CHUNK = 8 * 1024 * 1024
@@ -37,6 +44,57 @@ class ObjectRef:
     uri: str
     size: int
     sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed object: its key, size in bytes and when it was published (UTC)."""
+
+    key: str
+    size: int
+    created: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectPage:
+    """One page of a listing; ``next_after`` is the key to continue after, or None."""
+
+    objects: tuple[ObjectInfo, ...]
+    next_after: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageOp:
+    """One storage call as the metrics wrapper saw it (plain data: it crosses processes)."""
+
+    backend: str
+    operation: str
+    seconds: float
+    written: int = 0
+    read: int = 0
+    error: str | None = None
+    """The failure's :attr:`StorageError.kind` (``internal`` for other exceptions)."""
+    retries: int = 0
+    """Client retries (S3: botocore attempts) made since the previous call was reported."""
+
+
+class StorageObserver(Protocol):
+    """Receives every storage call of an instrumented backend."""
+
+    def observe(self, op: StorageOp) -> None:
+        """Record ``op``; called from any thread, must not block."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectReader:
+    """An object opened for a streamed read: its size and its bytes in pieces."""
+
+    size: int
+    chunks: AsyncIterator[bytes]
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 class StorageError(Exception):
@@ -169,6 +227,14 @@ class Storage(abc.ABC):
     async def ping(self) -> None:
         """Check that the store is reachable and writable. Raises StorageUnavailableError."""
 
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        """Objects whose keys start with ``prefix``, in ascending key order, after ``after``.
+
+        At most ``limit`` objects (1 or more); ``next_after`` is set when more may follow.
+        Raises InvalidKeyError for a prefix no key could have, StorageError otherwise.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot list objects")
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release threads, clients and connections. Idempotent."""
@@ -177,6 +243,29 @@ class Storage(abc.ABC):
     def retries(self) -> int:
         """Retries the backend's client has made so far (monotonic); 0 if it never retries."""
         return 0
+
+    # -- optional features: defaults that work for any backend -------------------------
+
+    async def exists(self, key: str) -> bool:
+        """Whether an object exists under ``key``, without reading or checksumming it."""
+        try:
+            await self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    async def open_read(self, key: str) -> ObjectReader:
+        """Open the object for a streamed read. Raises NotFoundError.
+
+        The default reads it whole; a backend that can stream (local files) does.
+        """
+        data = await self.get(key)
+        return ObjectReader(len(data), _once(data))
+
+    def presigned_url(self, key: str) -> str | None:
+        """A short-lived URL a client can GET the object from directly; None if the
+        backend has no such thing (then read it with ``open_read``)."""
+        return None
 
 
 class ThreadedStorage(Storage):
@@ -210,6 +299,10 @@ class ThreadedStorage(Storage):
     async def ping(self) -> None:
         await self._run(self._ping)
 
+    async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
+        check_listing(prefix, limit, after)
+        return await self._run(self._list, prefix, limit, after)
+
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -227,3 +320,18 @@ class ThreadedStorage(Storage):
 
     @abc.abstractmethod
     def _ping(self) -> None: ...
+
+    @abc.abstractmethod
+    def _list(self, prefix: str, limit: int, after: str | None) -> ObjectPage: ...
+
+
+def check_listing(prefix: str, limit: int, after: str | None) -> None:
+    """Refuse a listing no key could answer: a prefix with ``..``, ``//``, a leading
+    ``/``, or characters keys never hold; a limit below 1; a bad ``after`` key."""
+    from service.storage.keys import validate_key, validate_key_prefix
+
+    validate_key_prefix(prefix)
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if after is not None:
+        validate_key(after)

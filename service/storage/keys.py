@@ -2,21 +2,28 @@
 
 Keys look like ``{prefix}/{namespace}/{yyyy}/{mm}/{dd}/{id}.safetensors``. The namespace
 comes from the caller's identity (its API key), the id is random and made here, so no
-client string ever becomes a key or a path. ``validate_key`` is the one gate every
-backend applies before touching the store.
+client string ever becomes a key or a path. Idempotent prompts (a ``custom_id``) get
+``{prefix}/{namespace}/by-id/{hh}/{sha256}.safetensors`` instead: a hash of everything
+that decides the object's content, with no date, so a retry on any day finds it.
+``validate_key`` is the one gate every backend applies before touching the store.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import uuid
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from service.storage.base import InvalidKeyError
 
 MAX_KEY_BYTES = 1024  # S3's limit on key length
 MAX_SEGMENT_BYTES = 255  # NAME_MAX on every common file system
 OBJECT_SUFFIX = ".safetensors"
+BY_ID = "by-id"  # the segment of idempotent keys where dated keys have the year
 
 # A segment starts with a letter or digit (so never "." or "..", and never a hidden
 # temp file name) and holds only characters that are safe in URLs, shells and paths.
@@ -43,6 +50,28 @@ def validate_key(key: str) -> str:
     return key
 
 
+def validate_key_prefix(prefix: str) -> str:
+    """Return ``prefix`` if some valid key could start with it, else raise InvalidKeyError.
+
+    Empty, or ``/``-separated segments as in keys, the last of which may be partial or
+    empty (``"hsx/team-a/"``, ``"hsx/team-a/2026/1"``).
+    """
+    if not isinstance(prefix, str):
+        raise InvalidKeyError("prefix must be a string", key=str(prefix))
+    if not prefix:
+        return prefix
+    if prefix.startswith("/"):
+        raise InvalidKeyError("prefix must be relative", key=prefix[:64])
+    head, _, last = prefix.rpartition("/")
+    if head:
+        validate_key(head)
+    if last and not _SEGMENT.fullmatch(last):
+        raise InvalidKeyError(f"prefix segment {last[:64]!r} is not allowed", key=prefix[:64])
+    if len(prefix.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"prefix is longer than {MAX_KEY_BYTES} bytes", key=prefix[:64])
+    return prefix
+
+
 def validate_namespace(namespace: str) -> str:
     """Return ``namespace`` if valid: 1-64 of ``[a-z0-9_-]``, alphanumeric at both ends."""
     if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
@@ -63,6 +92,56 @@ def new_object_key(prefix: str, namespace: str, *, now: datetime | None = None) 
     return validate_key("/".join(parts))
 
 
+def idempotent_key(
+    prefix: str,
+    namespace: str,
+    *,
+    custom_id: str,
+    token_ids: Sequence[int],
+    model: str,
+    layer_ids: Sequence[int],
+    dtype: str,
+    codec: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> str:
+    """The key of the prompt ``custom_id`` names: the same inputs, the same key.
+
+    A SHA-256 over the namespace, the served model, its layer ids and dtype, the codec,
+    the token ids, the custom_id and the request options that change the object
+    (``options``); the client's string only ever enters the hash.
+    """
+    validate_namespace(namespace)
+    identity = {
+        "v": 1,
+        "namespace": namespace,
+        "model": model,
+        "layer_ids": list(layer_ids),
+        "dtype": dtype,
+        "codec": codec,
+        "token_ids": list(token_ids),
+        "custom_id": custom_id,
+        "options": dict(options or {}),
+    }
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    parts = [prefix] if prefix else []
+    # Two hex digits spread the objects over 256 directories on local disk.
+    parts += [namespace, BY_ID, digest[:2], digest + OBJECT_SUFFIX]
+    return validate_key("/".join(parts))
+
+
+def is_idempotent_key(key: str) -> bool:
+    """Whether ``key`` was made by ``idempotent_key`` (``.../{namespace}/by-id/hh/...``)."""
+    parts = key.split("/")
+    return len(parts) >= 4 and parts[-3] == BY_ID
+
+
+def namespace_root(prefix: str, namespace: str) -> str:
+    """The key prefix every object of ``namespace`` starts with (``hsx/team-a/``)."""
+    validate_namespace(namespace)
+    return f"{prefix}/{namespace}/" if prefix else f"{namespace}/"
+
+
 def namespace_of(key: str, prefix: str) -> str | None:
     """The namespace a valid key of ours belongs to, or None if it is not one of ours."""
     try:
@@ -74,6 +153,8 @@ def namespace_of(key: str, prefix: str) -> str | None:
         if parts[: len(prefix.split("/"))] != prefix.split("/"):
             return None
         parts = parts[len(prefix.split("/")) :]
-    if len(parts) != 5 or not parts[-1].endswith(OBJECT_SUFFIX):
+    dated = len(parts) == 5
+    by_id = len(parts) == 4 and parts[1] == BY_ID
+    if not (dated or by_id) or not parts[-1].endswith(OBJECT_SUFFIX):
         return None
     return parts[0] if _NAMESPACE.fullmatch(parts[0]) else None

@@ -13,16 +13,25 @@ import errno
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import time
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from itertools import islice
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from service.config import StorageSettings
 from service.storage.base import (
+    CHUNK,
     AlreadyExistsError,
     InvalidKeyError,
     NotFoundError,
+    ObjectInfo,
+    ObjectPage,
+    ObjectReader,
     ObjectRef,
     Source,
     StorageError,
@@ -34,6 +43,7 @@ from service.storage.keys import validate_key
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".hsx-tmp-"
+_SEGMENT_START = re.compile(r"[A-Za-z0-9]")
 
 
 def root_from_url(url: str) -> Path:
@@ -99,6 +109,34 @@ class LocalStorage(ThreadedStorage):
 
     def uri(self, key: str) -> str:
         return self.path_for(key).as_uri()
+
+    # -- optional features ------------------------------------------------------------
+
+    async def exists(self, key: str) -> bool:
+        """A stat, not ``head``'s full-file checksum."""
+        path = self.path_for(key)
+        return await self._run(path.is_file)
+
+    async def open_read(self, key: str) -> ObjectReader:
+        """Stream the file in pieces read on the backend's threads."""
+        file = await self._run(self._open, key)
+        return ObjectReader(os.fstat(file.fileno()).st_size, self._pieces(file))
+
+    def _open(self, key: str) -> BinaryIO:
+        path = self.path_for(key)
+        if not path.is_file():
+            raise NotFoundError("no object under this key", operation="get", key=key)
+        try:
+            return open(path, "rb")  # closed by _pieces
+        except OSError as exc:
+            raise _os_error(exc, "get", key) from exc
+
+    async def _pieces(self, file: BinaryIO) -> AsyncIterator[bytes]:
+        try:
+            while piece := await self._run(file.read, CHUNK):
+                yield piece
+        finally:
+            file.close()
 
     # -- blocking work ------------------------------------------------------------------
 
@@ -189,6 +227,49 @@ class LocalStorage(ThreadedStorage):
     def _ping(self) -> None:
         if not self.root.is_dir() or not os.access(self.root, os.W_OK | os.X_OK):
             raise StorageUnavailableError(f"storage root {self.root} is not a writable directory")
+
+    def _list(self, prefix: str, limit: int, after: str | None) -> ObjectPage:
+        found = list(islice(self._walk(self.root, "", prefix, after), limit + 1))
+        objects = []
+        for key in found[:limit]:
+            try:
+                stat = (self.root / key).stat()
+            except FileNotFoundError:
+                continue  # deleted since the walk saw it
+            created = datetime.fromtimestamp(stat.st_mtime, UTC)
+            objects.append(ObjectInfo(key, stat.st_size, created))
+        more = len(found) > limit
+        return ObjectPage(tuple(objects), found[limit - 1] if more else None)
+
+    def _walk(self, directory: Path, base: str, prefix: str, after: str | None) -> Iterator[str]:
+        """Keys under ``directory`` in ascending key order, pruned by prefix and ``after``.
+
+        A directory's key range is ``base + name + "/..."``: sorting entries by that
+        (files by their own name) walks keys in the order S3 lists them.
+        """
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        named = sorted(
+            (e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in entries
+        )
+        for name, entry in named:
+            if name.startswith(TEMP_PREFIX) or not _SEGMENT_START.match(name):
+                continue  # temp files of writers in progress; never keys
+            key = base + name
+            if not (key.startswith(prefix) or prefix.startswith(key)):
+                continue
+            if after is not None and key <= after and not after.startswith(key):
+                continue
+            if name.endswith("/"):
+                yield from self._walk(Path(entry.path), key, prefix, after)
+            elif (
+                entry.is_file(follow_symlinks=False)
+                and key.startswith(prefix)
+                and (after is None or key > after)
+            ):
+                yield key
 
     def sweep(self, older_than_s: float | None = None) -> int:
         """Remove temp files older than ``older_than_s`` (default: the configured age).

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,7 +27,10 @@ from service.config import S3StorageSettings, StorageSettings
 from service.storage.base import (
     AlreadyExistsError,
     IntegrityError,
+    InvalidKeyError,
     NotFoundError,
+    ObjectInfo,
+    ObjectPage,
     ObjectRef,
     Source,
     StorageConfigError,
@@ -128,7 +132,7 @@ class S3Storage(ThreadedStorage):
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.object_name(key)}"
 
-    def presign_get(self, key: str) -> str:
+    def presigned_url(self, key: str) -> str:
         """A short-lived GET URL for ``key`` (lifetime: ``presign_expiry_s``)."""
         return str(
             self.client.generate_presigned_url(
@@ -291,6 +295,25 @@ class S3Storage(ThreadedStorage):
         # S3 answers 204 for a missing key too, so delete is idempotent by itself.
         self._call("delete_object", key, Bucket=self.bucket, Key=self.object_name(key))
 
+    def _list(self, prefix: str, limit: int, after: str | None) -> ObjectPage:
+        base = f"{self.prefix}/" if self.prefix else ""
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix, "MaxKeys": limit}
+        if after is not None:
+            params["StartAfter"] = base + after
+        response = self._call("list_objects_v2", prefix, **params)
+        contents = response.get("Contents", [])
+        objects = tuple(
+            ObjectInfo(
+                item["Key"][len(base) :], int(item["Size"]), item["LastModified"].astimezone(UTC)
+            )
+            for item in contents
+            if _is_key(item["Key"][len(base) :])
+        )
+        # The cursor is the last key S3 returned, so foreign keys skipped above do not
+        # make the next page start over.
+        more = bool(response.get("IsTruncated")) and bool(contents)
+        return ObjectPage(objects, contents[-1]["Key"][len(base) :] if more else None)
+
     def _ping(self) -> None:
         try:
             self._call("head_bucket", "", Bucket=self.bucket)
@@ -298,6 +321,14 @@ class S3Storage(ThreadedStorage):
             raise StorageUnavailableError(
                 f"bucket {self.bucket!r} is not reachable: {exc}"
             ) from exc
+
+
+def _is_key(name: str) -> bool:
+    try:
+        validate_key(name)
+    except InvalidKeyError:
+        return False
+    return True
 
 
 def _client_error(exc: ClientError, operation: str, key: str) -> StorageError:

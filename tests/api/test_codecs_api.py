@@ -12,7 +12,7 @@ from safetensors.torch import load
 from service import codecs
 from tests.api.conftest import AUTH_A, ServerThread, as_extraction
 from tests.engine.checks import assert_object_matches
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import engine_requests, random_prompts
 from tests.engine.reference import reference_states
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -101,7 +101,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
 def test_bad_codec_or_layers_are_422_before_the_engine(
     client: httpx.Client, local_engine: ServerThread, name: str, extra: Any, field: str, text: str
 ) -> None:
-    submitted = local_engine.extractor.requests_submitted
+    submitted = engine_requests()
     body = {"prompts": [{"token_ids": [5, 6, 7]}], **extra}
     response = client.post("/extract", json=body, headers=AUTH_A)
     assert response.status_code == 422, response.text
@@ -110,4 +110,4 @@ def test_bad_codec_or_layers_are_422_before_the_engine(
     assert error["field"] == field
     assert error["message"].startswith(f"{field}: ")
     assert text in error["message"]
-    assert local_engine.extractor.requests_submitted == submitted
+    assert engine_requests() == submitted

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import AUTH_A, AUTH_FLAKY, ServerThread, objects_under
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import engine_requests, random_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -95,13 +95,13 @@ def test_deadline_gives_504_and_aborts(local_engine: ServerThread) -> None:
 
 def test_overload_gives_429_with_retry_after(local_engine: ServerThread) -> None:
     url = local_engine.serve(max_queued_prompts=2)
-    submitted = local_engine.extractor.requests_submitted
+    submitted = engine_requests()
     body = {"prompts": [{"token_ids": [1, 2, 3]}] * 3}
     response = httpx.post(f"{url}/extract", json=body, headers=AUTH_A, timeout=60)
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "1"
     assert response.json()["error"]["type"] == "overloaded"
-    assert local_engine.extractor.requests_submitted == submitted
+    assert engine_requests() == submitted
     ok = httpx.post(
         f"{url}/extract",
         json={"prompts": [{"token_ids": [1, 2, 3]}] * 2},

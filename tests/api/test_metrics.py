@@ -40,8 +40,16 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
+def delta(after: dict[Any, float], before: dict[Any, float], name: str, **labels: str) -> float:
+    """How much a series grew (a labelled series may not exist before its first event)."""
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
 def test_counters_equal_the_workload(local_engine: ServerThread) -> None:
     url = local_engine.serve(max_queued_prompts=6)  # a fresh app: its counters start at 0
+    # Storage and writer metrics are the shared extractor's: compare against now.
+    before = scrape(url)
     sizes, tokens = 0, 0
     with httpx.Client(base_url=url, timeout=120) as client:
         for lengths in ([10, 20], [30], [5, 6, 7]):
@@ -74,14 +82,14 @@ def test_counters_equal_the_workload(local_engine: ServerThread) -> None:
     assert value(samples, "hsx_extract_rejections_total", reason="unauthorized") == 1
     assert value(samples, "hsx_extract_duration_seconds_count") == 4
     assert value(samples, "hsx_extract_copy_duration_seconds_count") == 7
-    assert (
-        value(samples, "hsx_storage_errors_total", backend="file", operation="put", kind="write")
-        == 1
-    )
+    # The worker's failed put, seen by the worker's instrumented storage.
+    errors = {"backend": "file", "operation": "put", "kind": "error"}
+    assert delta(samples, before, "hsx_storage_errors_total", **errors) == 1
     assert value(samples, "hsx_writer_bytes_in_flight_limit_bytes") == (
         local_engine.settings.limits.max_bytes_in_flight
     )
     assert value(samples, "hsx_extract_prompts_in_flight") == 0
+    assert value(samples, "hsx_writer_bytes_in_flight_bytes") == 0  # idle again
     model = local_engine.extractor.info.name
     import vllm
 
@@ -97,6 +105,57 @@ def test_counters_equal_the_workload(local_engine: ServerThread) -> None:
         )
         == 1
     )
+
+
+def test_every_recorded_outcome_is_pre_registered(local_url: str) -> None:
+    """The outcome labels the code records exist (at 0) before the first request."""
+    from service.api.routes.extract import outcome_of
+    from service.engine import errors
+
+    exported = {
+        dict(labels)["outcome"]
+        for name, labels in scrape(local_url)
+        if name == "hsx_extract_requests_total"
+    }
+    failures = [
+        errors.EngineUnavailableError("x"),
+        errors.StorageWriteError("x"),
+        errors.InvalidStatesError("x", "non_finite"),
+        errors.ExtractionError("x"),
+        errors.IdempotencyConflictError("x"),
+        errors.InvalidPromptError("x"),
+    ]
+    assert {type(e) for e in failures} == set(errors.FAILURES)  # a new error joins here
+    recorded = {"ok", "rejected", "timeout", "disconnected"}
+    recorded |= {outcome_of([error]) for error in failures}
+    assert recorded == exported
+
+
+def test_storage_metrics_equal_the_work_on_local_disk(local_engine: ServerThread) -> None:
+    """Puts (in the worker) and GET /objects reads (in the API) are all counted."""
+    url = local_engine.serve()
+    before = scrape(url)
+    prompts = random_prompts([3, 8, 21, 34, 55], seed=61)
+    with httpx.Client(base_url=url, timeout=120) as client:
+        body = {"prompts": [{"token_ids": p} for p in prompts]}
+        objects = client.post("/extract", json=body, headers=AUTH_A).json()["objects"]
+        sizes = [(local_engine.root / o["key"]).stat().st_size for o in objects]  # type: ignore[attr-defined]
+        assert sizes == [o["bytes"] for o in objects]
+        for o in objects:
+            read = client.get(f"/objects/{o['key']}", headers=AUTH_A)
+            assert read.status_code == 200
+            assert len(read.content) == o["bytes"]
+        assert client.delete(f"/objects/{objects[0]['key']}", headers=AUTH_A).status_code == 204
+    after = scrape(url)
+    file = {"backend": "file"}
+    count = "hsx_storage_operation_duration_seconds_count"
+    assert delta(after, before, count, operation="put", **file) == len(prompts)
+    assert delta(after, before, "hsx_storage_written_bytes_total", **file) == sum(sizes)
+    assert delta(after, before, count, operation="get", **file) == len(prompts)
+    assert delta(after, before, "hsx_storage_read_bytes_total", **file) == sum(sizes)
+    assert delta(after, before, count, operation="delete", **file) == 1
+    assert delta(after, before, "hsx_storage_retries_total", **file) == 0
+    assert value(after, "hsx_writer_bytes_in_flight_bytes") == 0
 
 
 def expected_layout(raw: dict[str, Any]) -> dict[str, Any]:

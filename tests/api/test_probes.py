@@ -7,6 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import AUTH_A, ServerThread
+from tests.engine.conftest import engine_requests
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -22,11 +23,11 @@ def test_draining_app_is_not_ready_and_refuses_work(local_engine: ServerThread) 
     app.state.hsx.draining = True  # what SIGTERM does first (service.serve.DrainingServer)
     assert httpx.get(f"{url}/ready").status_code == 503
     assert httpx.get(f"{url}/health").status_code == 200  # alive, just leaving
-    submitted = local_engine.extractor.requests_submitted
+    submitted = engine_requests()
     response = httpx.post(f"{url}/extract", json={"prompts": ["x"]}, headers=AUTH_A)
     assert response.status_code == 503
     assert response.headers["Retry-After"]
-    assert local_engine.extractor.requests_submitted == submitted
+    assert engine_requests() == submitted
 
 
 def test_models_and_version(client: httpx.Client, local_engine: ServerThread) -> None:

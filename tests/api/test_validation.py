@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import AUTH_A, ServerThread
+from tests.engine.conftest import engine_requests
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -70,7 +71,7 @@ def test_bad_input_is_refused_before_the_engine(
     field: str,
     index: int | None,
 ) -> None:
-    submitted = local_engine.extractor.requests_submitted
+    submitted = engine_requests()
     response = client.post("/extract", json=body, headers=AUTH_A)
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -80,17 +81,17 @@ def test_bad_input_is_refused_before_the_engine(
         assert error["field"] == field
         assert error["message"].startswith(field)
     assert error.get("index") == index
-    assert local_engine.extractor.requests_submitted == submitted
+    assert engine_requests() == submitted
 
 
 def test_malformed_json_is_422(client: httpx.Client, local_engine: ServerThread) -> None:
-    submitted = local_engine.extractor.requests_submitted
+    submitted = engine_requests()
     response = client.post(
         "/extract", content=b'{"prompts": [', headers={**AUTH_A, "Content-Type": "application/json"}
     )
     assert response.status_code == 422
     assert response.json()["error"]["type"] == "invalid_request"
-    assert local_engine.extractor.requests_submitted == submitted
+    assert engine_requests() == submitted
 
 
 def test_declared_body_over_the_limit_is_413(client: httpx.Client) -> None:

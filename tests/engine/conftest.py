@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,31 @@ async def running(settings: Settings, storage_factory: str | None = None) -> Asy
         yield extractor
     finally:
         await extractor.close()
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Return once ``condition()`` holds; give up (without raising) after ``timeout_s``,
+    leaving the caller's assertion to say what was wrong."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def engine_requests() -> float:
+    """Requests the engine finished (any reason), from vLLM's own counter.
+
+    vLLM keeps its metrics in this process's default registry (the one ``/metrics``
+    serves beside ours); a request that reached the engine moves this count.
+    """
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        if family.name == "vllm:request_success"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -86,7 +113,15 @@ PROMPT_LENGTHS = [
     450,
 ]
 
-__all__ = ["PROMPT_LENGTHS", "engine_settings", "pytest_asyncio", "random_prompts", "running"]
+__all__ = [
+    "PROMPT_LENGTHS",
+    "engine_requests",
+    "engine_settings",
+    "pytest_asyncio",
+    "random_prompts",
+    "running",
+    "wait_until",
+]
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

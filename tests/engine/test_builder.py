@@ -6,10 +6,11 @@ from typing import Any
 
 import pytest
 
-from service.config import Settings
+from service.config import EngineSettings, Settings
 from service.engine.builder import (
     default_layer_ids,
     engine_args,
+    memory_args,
     read_model_info,
     resolve_layer_ids,
 )
@@ -54,3 +55,37 @@ def test_engine_args_wire_our_connector_and_defaults(model_dir: Any) -> None:
     assert args.enforce_eager is True
     dense = read_model_info(str(model_dir("llama")))
     assert engine_args(settings, dense, [1], "ipc:///x").enable_prefix_caching is True
+
+
+@pytest.mark.parametrize(
+    ("engine", "on_cpu", "expected"),
+    [
+        # Nothing set on CPU: a fixed 1 GiB cache, so vLLM skips its "90% of node 0
+        # free" check that fails on a loaded machine.
+        ({}, True, {"kv_cache_memory_bytes": 1024**3}),
+        ({"cpu_kvcache_space_gib": 2.5}, True, {"kv_cache_memory_bytes": int(2.5 * 1024**3)}),
+        # A utilisation alone: vLLM sizes the cache from it, as the user asked.
+        ({"gpu_memory_utilization": 0.4}, True, {"gpu_memory_utilization": 0.4}),
+        (
+            {"gpu_memory_utilization": 0.4, "cpu_kvcache_space_gib": 1},
+            True,
+            {"gpu_memory_utilization": 0.4, "kv_cache_memory_bytes": 1024**3},
+        ),
+        # GPU: vLLM's own defaults; the CPU cache size does not apply.
+        ({}, False, {}),
+        ({"cpu_kvcache_space_gib": 3}, False, {}),
+        ({"gpu_memory_utilization": 0.8}, False, {"gpu_memory_utilization": 0.8}),
+    ],
+)
+def test_memory_defaults_start_on_a_loaded_cpu(
+    engine: dict[str, Any], on_cpu: bool, expected: dict[str, Any]
+) -> None:
+    assert memory_args(EngineSettings(**engine), on_cpu) == expected
+
+
+def test_extra_args_may_override_memory_settings(model_dir: Any) -> None:
+    model = str(model_dir("llama"))
+    extra = {"kv_cache_memory_bytes": 123 * 1024**2, "gpu_memory_utilization": 0.3}
+    settings = Settings(engine={"model": model, "extra_args": extra})
+    args = engine_args(settings, read_model_info(model), [1], "ipc:///x")
+    assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization) == (123 * 1024**2, 0.3)

@@ -19,7 +19,7 @@ from safetensors.torch import load
 
 from service import codecs
 from tests.engine.checks import assert_object_matches
-from tests.engine.conftest import engine_settings, random_prompts, running
+from tests.engine.conftest import engine_requests, engine_settings, random_prompts, running
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -136,14 +136,14 @@ async def test_layer_subset_holds_only_those_layers(engine: Any) -> None:
 async def test_bad_codec_or_layers_never_reach_the_engine(
     engine: Any, kwargs: dict[str, Any], message: str
 ) -> None:
-    before = engine.requests_submitted
+    before = engine_requests()
     with pytest.raises(ValueError, match=message):
         await engine.extract([5, 6, 7], namespace="codecs", **kwargs)
-    assert engine.requests_submitted == before
+    assert engine_requests() == before
     reversed_layers = list(reversed(engine.layer_ids))
     with pytest.raises(ValueError, match="in that order"):
         await engine.extract([5, 6, 7], namespace="codecs", layers=reversed_layers)
-    assert engine.requests_submitted == before
+    assert engine_requests() == before
 
 
 async def test_speculators_arrow_dataset_reads_hsx_fp8_objects(engine: Any, tmp_path: Path) -> None:

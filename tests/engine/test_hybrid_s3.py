@@ -14,6 +14,7 @@ from tests.engine.checks import assert_object_matches
 from tests.engine.conftest import PROMPT_LENGTHS, engine_settings, random_prompts, running
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+RETRY_503 = "tests.engine.faulty:open_s3_with_503s"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,9 @@ def bucket(s3_endpoint: str) -> str:
 async def hybrid(model_dir: Any, s3_endpoint: str, bucket: str) -> Any:
     storage = s3_settings(s3_endpoint, bucket, prefix="runs").model_dump()
     settings = engine_settings(model_dir("nemotron-h"), storage.pop("url"), storage=storage)
-    async with running(settings) as extractor:
+    # The real S3 backend; its client's first attempt at each put under namespace
+    # "retry*" is answered 503 SlowDown (in the worker, where the puts happen).
+    async with running(settings, storage_factory=RETRY_503) as extractor:
         yield extractor
 
 
@@ -88,3 +91,27 @@ async def test_hybrid_output_token_states_match_transformers(hybrid: Any, s3_adm
         # The last generated token was never an input, so it has no state.
         body = s3_admin.get_object(Bucket="hsx-hybrid", Key=f"runs/{result.key}")["Body"].read()
         assert_object_matches(body, model, prompt + generated[:-1], hybrid.layer_ids, result)
+
+
+async def test_storage_metrics_equal_the_work_on_s3(hybrid: Any, s3_admin: Any) -> None:
+    """Writes happen in the worker; their calls, bytes and retries reach the metrics."""
+    registry = hybrid.metrics.registry
+
+    def value(name: str, **labels: str) -> float:
+        return float(registry.get_sample_value(name, {"backend": "s3", **labels}) or 0.0)
+
+    puts = "hsx_storage_operation_duration_seconds_count"
+    before = (value(puts, operation="put"), value("hsx_storage_written_bytes_total"))
+    retries_before = value("hsx_storage_retries_total")
+    prompts = random_prompts([5, 17, 33, 64, 90], seed=21)
+    results = await asyncio.gather(*(hybrid.extract(p, namespace="retry") for p in prompts))
+    sizes = [
+        s3_admin.head_object(Bucket="hsx-hybrid", Key=f"runs/{r.key}")["ContentLength"]
+        for r in results
+    ]
+    assert sizes == [r.size for r in results]
+    assert value(puts, operation="put") - before[0] == len(prompts)
+    assert value("hsx_storage_written_bytes_total") - before[1] == sum(sizes)
+    # One injected 503 per object, each retried once by botocore in the worker.
+    assert value("hsx_storage_retries_total") - retries_before == len(prompts)
+    assert registry.get_sample_value("hsx_writer_bytes_in_flight_bytes") == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from service.storage import (
     NotFoundError,
     Storage,
 )
+from service.storage.base import ObjectInfo
 from service.storage.keys import new_object_key
 
 # Above the 1 MiB threshold the S3 tests set, and spanning three 5 MiB parts.
@@ -69,6 +71,23 @@ class StorageContract:
             await storage.get(key)
         with pytest.raises(NotFoundError):
             await storage.head(key)
+
+    async def test_exists_tells_present_from_missing(self, storage: Storage) -> None:
+        key = fresh_key()
+        assert not await storage.exists(key)
+        await storage.put(key, b"here")
+        assert await storage.exists(key)
+        await storage.delete(key)
+        assert not await storage.exists(key)
+
+    async def test_open_read_streams_the_whole_object(self, storage: Storage) -> None:
+        data, key = payload(BIG, seed=3), fresh_key()
+        await storage.put(key, data)
+        reader = await storage.open_read(key)
+        assert reader.size == BIG
+        assert b"".join([piece async for piece in reader.chunks]) == data
+        with pytest.raises(NotFoundError):
+            await storage.open_read(fresh_key())
 
     async def test_delete_is_idempotent(self, storage: Storage) -> None:
         key = fresh_key()
@@ -128,3 +147,60 @@ class StorageContract:
         await storage.put(key, buffer)
         buffer[:] = b"\0" * len(buffer)
         assert await storage.get(key) == expected
+
+    # -- listing ------------------------------------------------------------------------
+
+    async def test_list_pages_in_key_order(self, storage: Storage) -> None:
+        items = {fresh_key(f"tenant-{'ab'[i % 2]}"): payload(10 + i, seed=i) for i in range(23)}
+        await asyncio.gather(*(storage.put(k, v) for k, v in items.items()))
+        started = datetime.now(UTC)
+        mine = sorted(k for k in items if k.startswith("hsx/tenant-a/"))
+        listed = await list_all(storage, "hsx/tenant-a/", limit=5)
+        assert [o.key for o in listed] == mine
+        assert all(o.size == len(items[o.key]) for o in listed)
+        # Published moments ago (file systems and S3 keep whole seconds at worst).
+        assert all(abs(o.created - started) < timedelta(minutes=2) for o in listed)
+        both = await list_all(storage, "hsx/tenant-", limit=7)
+        assert [o.key for o in both] == sorted(items)
+
+    async def test_list_continues_after_a_deleted_key(self, storage: Storage) -> None:
+        keys = sorted(fresh_key("tenant-c") for _ in range(6))
+        for key in keys:
+            await storage.put(key, b"x")
+        first = await storage.list("hsx/tenant-c/", limit=3)
+        assert [o.key for o in first.objects] == keys[:3]
+        assert first.next_after == keys[2]
+        await storage.delete(keys[2])
+        rest = await storage.list("hsx/tenant-c/", limit=3, after=first.next_after)
+        assert [o.key for o in rest.objects] == keys[3:]
+
+    async def test_list_of_nothing(self, storage: Storage) -> None:
+        await storage.put(fresh_key("tenant-d"), b"x")
+        for prefix in ("hsx/tenant-e/", "hsx/tenant-d/1999/", "nothing"):
+            page = await storage.list(prefix, limit=10)
+            assert (page.objects, page.next_after) == ((), None)
+
+    @pytest.mark.parametrize("prefix", ["/abs", "../x", "a/../b", "a//b", "a/./b", ".hid", "a\\b"])
+    async def test_list_refuses_bad_prefixes(self, storage: Storage, prefix: str) -> None:
+        with pytest.raises(InvalidKeyError):
+            await storage.list(prefix)
+
+    async def test_list_refuses_bad_limit_and_after(self, storage: Storage) -> None:
+        with pytest.raises(ValueError, match="limit"):
+            await storage.list("hsx/", limit=0)
+        with pytest.raises(InvalidKeyError):
+            await storage.list("hsx/", after="../x")
+
+
+async def list_all(storage: Storage, prefix: str, *, limit: int) -> list[ObjectInfo]:
+    """Every object under ``prefix``, page by page; checks each page's size and cursor."""
+    found: list[ObjectInfo] = []
+    after = None
+    while True:
+        page = await storage.list(prefix, limit=limit, after=after)
+        assert len(page.objects) <= limit
+        found.extend(page.objects)
+        if page.next_after is None:
+            return found
+        assert page.next_after == page.objects[-1].key
+        after = page.next_after

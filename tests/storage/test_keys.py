@@ -8,7 +8,15 @@ from datetime import UTC, datetime
 import pytest
 
 from service.storage import InvalidKeyError
-from service.storage.keys import namespace_of, new_object_key, validate_key, validate_namespace
+from service.storage.keys import (
+    idempotent_key,
+    is_idempotent_key,
+    namespace_of,
+    new_object_key,
+    validate_key,
+    validate_key_prefix,
+    validate_namespace,
+)
 
 
 def test_key_layout() -> None:
@@ -55,3 +63,59 @@ def test_namespace_of() -> None:
     assert namespace_of("hsx/team-a/2026/01/01", "hsx") is None
     assert namespace_of("hsx/../team-a/2026/01/01/x.safetensors", "hsx") is None
     assert namespace_of(new_object_key("", "b"), "") == "b"
+
+
+IDENTITY = {
+    "custom_id": "row-17",
+    "token_ids": [1, 2, 3],
+    "model": "m",
+    "layer_ids": [2, 4],
+    "dtype": "float32",
+    "codec": None,
+    "options": {"loss": "none"},
+}
+
+
+def test_idempotent_keys_are_deterministic_and_dateless() -> None:
+    key = idempotent_key("hsx", "team-a", **IDENTITY)
+    assert key == idempotent_key("hsx", "team-a", **IDENTITY)
+    assert re.fullmatch(r"hsx/team-a/by-id/([0-9a-f]{2})/\1[0-9a-f]{62}\.safetensors", key)
+    assert namespace_of(key, "hsx") == "team-a"
+    assert is_idempotent_key(key)
+    assert not is_idempotent_key(new_object_key("hsx", "team-a"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"custom_id": "row-18"},
+        {"token_ids": [1, 2, 4]},
+        {"model": "other"},
+        {"layer_ids": [2, 3]},
+        {"dtype": "bfloat16"},
+        {"codec": "zstd"},
+        {"options": {"loss": "assistant"}},
+    ],
+)
+def test_idempotent_keys_change_with_every_input(change: dict[str, object]) -> None:
+    base = idempotent_key("hsx", "team-a", **IDENTITY)
+    assert idempotent_key("hsx", "team-a", **{**IDENTITY, **change}) != base
+    assert idempotent_key("hsx", "team-b", **IDENTITY) != base
+
+
+def test_no_client_string_reaches_the_key() -> None:
+    hostile = {**IDENTITY, "custom_id": "../../etc/passwd\x00"}
+    key = idempotent_key("hsx", "team-a", **hostile)
+    assert "etc" not in key
+    assert validate_key(key) == key
+
+
+@pytest.mark.parametrize("prefix", ["", "hsx/", "hsx/team-a/", "hsx/team-a/2026/0", "hsx/te"])
+def test_good_key_prefixes(prefix: str) -> None:
+    assert validate_key_prefix(prefix) == prefix
+
+
+@pytest.mark.parametrize("prefix", ["/hsx", "hsx//", "../", "hsx/../x/", "hsx/.", "a b", "é/"])
+def test_bad_key_prefixes(prefix: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        validate_key_prefix(prefix)

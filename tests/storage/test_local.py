@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from service.config import LocalStorageSettings, StorageSettings
 from service.metrics import StorageMetrics
-from service.storage import InvalidKeyError, StorageError, open_storage
+from service.storage import InvalidKeyError, StorageError, open_backend, open_storage
 from service.storage.local import TEMP_PREFIX, LocalStorage, root_from_url
 from tests.storage.contract import StorageContract, fresh_key, payload
 
@@ -27,7 +27,7 @@ from tests.storage.contract import StorageContract, fresh_key, payload
 class TestLocalContract(StorageContract):
     @pytest.fixture
     async def storage(self, tmp_path: Path) -> AsyncIterator[LocalStorage]:
-        backend = open_storage(StorageSettings(url=(tmp_path / "objects").as_uri()))
+        backend = open_backend(StorageSettings(url=(tmp_path / "objects").as_uri()))
         assert isinstance(backend, LocalStorage)
         yield backend
         await backend.close()
@@ -38,7 +38,7 @@ class TestInstrumentedLocalContract(StorageContract):
 
     @pytest.fixture
     async def storage(self, tmp_path: Path) -> AsyncIterator[Any]:
-        metrics = StorageMetrics(CollectorRegistry())
+        metrics = StorageMetrics(CollectorRegistry(), "file")
         backend = open_storage(StorageSettings(url=str(tmp_path / "objects")), metrics)
         yield backend
         await backend.close()

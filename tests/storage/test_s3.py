@@ -22,6 +22,7 @@ from service.storage import (
     StorageConfigError,
     StorageError,
     StorageUnavailableError,
+    open_backend,
     open_storage,
 )
 from service.storage.s3 import S3Storage, parse_s3_url
@@ -35,7 +36,7 @@ class TestS3Contract(StorageContract):
     @pytest.fixture
     async def storage(self, s3_endpoint: str, s3_bucket: str) -> AsyncIterator[S3Storage]:
         settings = s3_settings(s3_endpoint, s3_bucket, multipart_threshold=MIB, part_size=5 * MIB)
-        backend = open_storage(settings)
+        backend = open_backend(settings)
         assert isinstance(backend, S3Storage)
         yield backend
         await backend.close()
@@ -108,7 +109,7 @@ def assert_no_object_and_no_upload(s3: S3Storage, admin: Any, key: str) -> None:
 
 
 async def test_slowdown_then_success_is_retried_and_counted(s3_endpoint: str, s3_bucket: str):
-    metrics = StorageMetrics(registry := CollectorRegistry())
+    metrics = StorageMetrics(registry := CollectorRegistry(), "s3")
     settings = s3_settings(s3_endpoint, s3_bucket, max_attempts=4)
     storage = open_storage(settings, metrics)
     inner = storage.inner  # type: ignore[attr-defined]
@@ -254,7 +255,7 @@ async def test_presigned_get_url_serves_the_object(s3: S3Storage) -> None:
 
     key = fresh_key()
     await s3.put(key, b"presigned bytes")
-    url = s3.presign_get(key)
+    url = s3.presigned_url(key)
     assert "X-Amz-Expires=300" in url
     with urllib.request.urlopen(url) as response:
         assert response.read() == b"presigned bytes"

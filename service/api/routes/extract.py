@@ -17,6 +17,8 @@ from starlette.concurrency import run_in_threadpool
 from service.api.codec_params import check_codec_params
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
+from service.api.idempotency import Found, extract_once
+from service.api.loss import PromptSpans, loss_spans
 from service.api.prompts import check_request_limits, tokenize_all
 from service.api.schemas import (
     ErrorBody,
@@ -29,11 +31,8 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import ApiState
-from service.engine.extractor import (
-    EngineUnavailableError,
-    InvalidPromptError,
-    StorageWriteError,
-)
+from service.engine.errors import FAILURES, ExtractionError
+from service.engine.wire import Extraction
 
 router = APIRouter()
 T = TypeVar("T")
@@ -41,9 +40,14 @@ access_log = logging.getLogger("hsx.requests")
 
 RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or invalid API key"},
+    409: {"model": PartialFailureBody, "description": "A custom_id's object holds other tokens"},
     413: {"model": ErrorBody, "description": "Body over the size limit"},
     422: {"model": ErrorBody, "description": "Invalid prompt or a limit exceeded"},
     429: {"model": ErrorBody, "description": "Too much work queued; retry after Retry-After"},
+    500: {
+        "model": PartialFailureBody,
+        "description": "States failed validation (invalid_hidden_states); nothing stored",
+    },
     502: {"model": PartialFailureBody, "description": "Some objects could not be written"},
     503: {"model": PartialFailureBody, "description": "Engine unavailable or shutting down"},
     504: {"model": ErrorBody, "description": "Request deadline passed; its work was aborted"},
@@ -56,10 +60,10 @@ async def extract(
 ) -> ExtractResponse:
     """Extract the hidden states of every prompt; one object per prompt."""
     assert state.metrics is not None
-    token_ids = await admit(state, body)
+    token_ids, spans = await admit(state, body)
     started = time.monotonic()
     try:
-        work = run_prompts(state, body, token_ids, namespace)
+        work = run_prompts(state, body, token_ids, namespace, spans)
         outcomes = await guard(request, work, state.settings.limits.request_timeout_s)
     except ApiError as error:  # disconnected or past the deadline: the work was aborted
         reason = "disconnect" if error.status == 499 else "deadline"
@@ -74,14 +78,15 @@ async def extract(
     return respond(state, outcomes)
 
 
-async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
-    """Checks before the engine: limits, serving state, token ids, queue room."""
+async def admit(state: ApiState, body: ExtractRequest) -> tuple[list[list[int]], list[PromptSpans]]:
+    """Checks before the engine: limits, serving state, token ids, masks, queue room."""
     assert state.metrics is not None
     try:
         check_request_limits(body, state.settings.limits)
         ensure_serving(state)
         check_codec_params(state.extractor, body.codec, body.layers)
         token_ids: list[list[int]] = await prompt_token_ids(state, body)
+        spans = await prompt_loss_spans(state, body, token_ids)
         if not state.admission.try_admit(len(token_ids)):
             raise ApiError(
                 429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
@@ -89,7 +94,15 @@ async def admit(state: ApiState, body: ExtractRequest) -> list[list[int]]:
     except ApiError as error:
         state.metrics.rejected(error.detail.type)
         raise
-    return token_ids
+    return token_ids, spans
+
+
+async def prompt_loss_spans(
+    state: ApiState, body: ExtractRequest, token_ids: list[list[int]]
+) -> list[PromptSpans]:
+    """Each prompt's supervised ranges (``loss``); renders, so off the event loop."""
+    compute = partial(loss_spans, body, state.extractor.tokenizer, token_ids)
+    return compute() if body.loss == "none" else await run_in_threadpool(compute)
 
 
 def outcome_of(outcomes: list[Any]) -> str:
@@ -150,22 +163,16 @@ def ensure_serving(state: ApiState) -> None:
 
 
 async def run_prompts(
-    state: ApiState, body: ExtractRequest, token_ids: list[list[int]], namespace: str
+    state: ApiState,
+    body: ExtractRequest,
+    token_ids: list[list[int]],
+    namespace: str,
+    spans: list[PromptSpans],
 ) -> list[Any]:
     """Every prompt concurrently; an outcome per prompt (an Extraction or the error)."""
     tasks = [
-        asyncio.ensure_future(
-            state.extractor.extract(
-                ids,
-                namespace=namespace,
-                max_tokens=body.max_tokens,
-                include_output_tokens=body.include_output_tokens,
-                metadata=body.metadata,
-                codec=body.codec,
-                layers=body.layers,
-            )
-        )
-        for ids in token_ids
+        asyncio.ensure_future(run_prompt(state, body, index, ids, prompt_spans, namespace))
+        for index, (ids, prompt_spans) in enumerate(zip(token_ids, spans, strict=True))
     ]
     try:
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -174,6 +181,31 @@ async def run_prompts(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_prompt(
+    state: ApiState,
+    body: ExtractRequest,
+    index: int,
+    ids: list[int],
+    spans: PromptSpans,
+    namespace: str,
+) -> Extraction:
+    """One prompt's object; with a custom_id, found or made at most once."""
+    options: dict[str, Any] = {
+        "namespace": namespace,
+        "max_tokens": body.max_tokens,
+        "include_output_tokens": body.include_output_tokens,
+        "metadata": body.metadata,
+        "loss_spans": spans,
+        "codec": body.codec,
+        "layers": body.layers,
+    }
+    custom_id = getattr(body.prompts[index], "custom_id", None)
+    if custom_id is None:
+        made: Extraction = await state.extractor.extract(ids, **options)
+        return made
+    return await extract_once(state, body, custom_id, ids, **options)
 
 
 async def guard(request: Request, work: Awaitable[T], deadline_s: float) -> T:
@@ -206,7 +238,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
-    """200 when every object is durable; else 502/503/422 listing every prompt's fate."""
+    """200 when every object is durable; else 4xx/5xx listing every prompt's fate."""
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     if errors:
         raise _partial_failure(outcomes, errors)
@@ -228,6 +260,8 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
                 shape=list(o.shape),
                 bytes=o.size,
                 sha256=o.sha256,
+                num_loss_tokens=o.num_loss_tokens,
+                status="found" if isinstance(o, Found) else "created",
                 codec=o.codec,
             )
             for i, o in enumerate(outcomes)
@@ -237,28 +271,19 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
     )
 
 
-#: Per-prompt failures: exception, its error type, and the request status it implies.
-_FAILURES: tuple[tuple[type[BaseException], str], ...] = (
-    (EngineUnavailableError, "engine_unavailable"),
-    (StorageWriteError, "storage_error"),
-    (InvalidPromptError, "invalid_request"),
-)
+#: Error types, most severe first, and the request status each implies.
+_SEVERITY = [error.error_type for error in FAILURES]
+_STATUS = {error.error_type: error.status for error in FAILURES}
 
 
 def _kind(error: BaseException) -> str:
-    return next((kind for cls, kind in _FAILURES if isinstance(error, cls)), "internal_error")
+    return error.error_type if isinstance(error, ExtractionError) else "internal_error"
 
 
 def _request_failure(errors: list[BaseException]) -> tuple[int, str]:
-    """The status and type of a request some of whose prompts failed."""
-    kinds = {_kind(e) for e in errors}
-    if "engine_unavailable" in kinds:
-        return 503, "engine_unavailable"
-    if "storage_error" in kinds:
-        return 502, "storage_error"
-    if kinds == {"invalid_request"}:
-        return 422, "invalid_request"
-    return 500, "internal_error"
+    """The status and type of a request some of whose prompts failed: its worst prompt's."""
+    worst = min((_kind(e) for e in errors), key=_SEVERITY.index)
+    return _STATUS[worst], worst
 
 
 def _partial_failure(outcomes: list[Any], errors: list[BaseException]) -> ApiError:

@@ -1,8 +1,10 @@
 """``GET`` and ``DELETE /objects/{key}``, only inside the caller's namespace.
 
 A key outside the caller's namespace is a 404, exactly like a missing one, so nobody
-learns what other namespaces hold. ``?decode=true`` answers any object as a ``raw`` one
-(model-dtype states), whatever codec stored it.
+learns what other namespaces hold. Everything goes through the storage interface (its
+optional features have defaults), so every read is counted in ``hsx_storage_*``.
+``?decode=true`` answers any object as a ``raw`` one (model-dtype states), whatever
+codec stored it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Query, Response
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
@@ -50,62 +52,60 @@ async def get_object(
     ),
 ) -> Response:
     """Stream an object (local disk) or redirect to a presigned URL (S3)."""
-    owned(state, key, namespace)
-    assert state.storage is not None
-    backend = unwrap(state.storage)
-    await ensure_exists(backend, key)
+    storage = owned_storage(state, key, namespace)
     if decode:
-        return await decoded(backend, key)
-    if hasattr(backend, "path_for"):
-        return FileResponse(
-            backend.path_for(key), media_type=SAFETENSORS, filename=key.rsplit("/", 1)[-1]
-        )
-    if hasattr(backend, "presign_get"):
-        return RedirectResponse(backend.presign_get(key), status_code=307)
-    return Response(await backend.get(key), media_type=SAFETENSORS)
+        return await decoded(storage, key)
+    url = storage.presigned_url(key)
+    if url is not None:
+        await ensure_exists(storage, key)
+        return RedirectResponse(url, status_code=307)
+    try:
+        reader = await storage.open_read(key)
+    except NotFoundError:
+        raise not_found(key) from None
+    filename = key.rsplit("/", 1)[-1]
+    headers = {
+        "Content-Length": str(reader.size),
+        "Content-Disposition": f'attachment; filename="{filename}"',
+    }
+    return StreamingResponse(reader.chunks, media_type=SAFETENSORS, headers=headers)
 
 
 @router.delete("/objects/{key:path}", status_code=204, responses=NOT_FOUND, response_class=Response)
 async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
     """Remove one object."""
-    owned(state, key, namespace)
-    assert state.storage is not None
-    await ensure_exists(unwrap(state.storage), key)
-    await state.storage.delete(key)
+    storage = owned_storage(state, key, namespace)
+    await ensure_exists(storage, key)
+    await storage.delete(key)
     return Response(status_code=204)
 
 
-async def decoded(backend: Storage, key: str) -> Response:
-    """The object as a ``raw`` one, decoded off the event loop."""
+async def decoded(storage: Storage, key: str) -> Response:
+    """The object as a ``raw`` one, read whole and decoded off the event loop."""
     try:
-        data = await run_in_threadpool(to_raw, await backend.get(key))
-    except ValueError as exc:  # a codec this server does not know
-        raise ApiError(422, "invalid_request", f"decode: {exc}", field="decode") from None
-    return Response(data, media_type=SAFETENSORS)
-
-
-def owned(state: ApiState, key: str, namespace: str) -> None:
-    if namespace_of(key, state.settings.storage.key_prefix) != namespace:
-        raise not_found(key)
-
-
-async def ensure_exists(backend: Storage, key: str) -> None:
-    """404 unless the object exists (local: a stat, not head's full-file checksum)."""
-    if hasattr(backend, "path_for"):
-        if not backend.path_for(key).is_file():
-            raise not_found(key)
-        return
-    try:
-        await backend.head(key)
+        data = await storage.get(key)
     except NotFoundError:
         raise not_found(key) from None
+    try:
+        raw = await run_in_threadpool(to_raw, data)
+    except ValueError as exc:  # a codec this server does not know
+        raise ApiError(422, "invalid_request", f"decode: {exc}", field="decode") from None
+    return Response(raw, media_type=SAFETENSORS)
+
+
+def owned_storage(state: ApiState, key: str, namespace: str) -> Storage:
+    """The storage, once ``key`` is known to lie in the caller's namespace (else 404)."""
+    if namespace_of(key, state.settings.storage.key_prefix) != namespace:
+        raise not_found(key)
+    assert state.storage is not None
+    return state.storage
+
+
+async def ensure_exists(storage: Storage, key: str) -> None:
+    """404 unless the object exists (a stat or a HEAD, never a read)."""
+    if not await storage.exists(key):
+        raise not_found(key)
 
 
 def not_found(key: str) -> ApiError:
     return ApiError(404, "not_found", f"key: no object {key[:300]!r}", field="key")
-
-
-def unwrap(storage: Storage) -> Storage:
-    """The backend under any decorator (metrics), for its backend-specific reads."""
-    inner = getattr(storage, "inner", None)
-    return unwrap(inner) if isinstance(inner, Storage) else storage

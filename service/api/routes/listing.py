@@ -1,0 +1,101 @@
+"""``GET /objects``: the caller's own objects, page by page, so a run's output can be
+found and cleaned up.
+
+Pages follow ascending key order. The cursor is the last key of the previous page,
+base64url-encoded; it must decode to a key under the caller's prefix, so a cursor can
+neither reach into another namespace nor carry anything but a key.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+
+from service.api.deps import NamespaceDep, StateDep
+from service.api.errors import ApiError
+from service.api.schemas import ErrorBody
+from service.storage.base import InvalidKeyError
+from service.storage.keys import namespace_root, validate_key, validate_key_prefix
+
+router = APIRouter()
+MAX_LIMIT = 1000
+
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    422: {"model": ErrorBody, "description": "Bad prefix, cursor or limit"},
+    502: {"model": ErrorBody, "description": "Storage failed"},
+    503: {"model": ErrorBody, "description": "Storage unavailable"},
+}
+
+
+class ListedObject(BaseModel):
+    """One stored object of the caller."""
+
+    key: str
+    size: int = Field(description="Bytes.")
+    created: datetime = Field(description="When the object was published (UTC).")
+
+
+class ObjectListing(BaseModel):
+    """One page; pass ``next_cursor`` back as ``cursor`` for the next one."""
+
+    objects: list[ListedObject]
+    next_cursor: str | None = Field(None, description="Absent on the last page.")
+
+
+@router.get("/objects", response_model=ObjectListing, responses=RESPONSES)
+async def list_objects(
+    state: StateDep,
+    namespace: NamespaceDep,
+    prefix: Annotated[str | None, Query(max_length=1024)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 100,
+    cursor: Annotated[str | None, Query(max_length=2048)] = None,
+) -> ObjectListing:
+    """List your objects whose keys start with ``prefix`` (default: all of them)."""
+    assert state.storage is not None
+    scope = checked_prefix(prefix, namespace_root(state.settings.storage.key_prefix, namespace))
+    page = await state.storage.list(scope, limit=limit, after=decode_cursor(cursor, scope))
+    return ObjectListing(
+        objects=[ListedObject(key=o.key, size=o.size, created=o.created) for o in page.objects],
+        next_cursor=encode_cursor(page.next_after),
+    )
+
+
+def checked_prefix(prefix: str | None, root: str) -> str:
+    """The caller's prefix, which must lie inside its namespace's keys."""
+    if prefix is None:
+        return root
+    if not prefix.startswith(root):
+        raise _invalid("prefix", f"must start with your namespace's keys, {root!r}")
+    try:
+        return validate_key_prefix(prefix)
+    except InvalidKeyError as exc:
+        raise _invalid("prefix", str(exc)) from None
+
+
+def encode_cursor(key: str | None) -> str | None:
+    if key is None:
+        return None
+    return base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str | None, scope: str) -> str | None:
+    """The key a cursor continues after; 422 unless it is a key under ``scope``."""
+    if cursor is None:
+        return None
+    try:
+        key = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        validate_key(key)
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise _invalid("cursor", "not a cursor this listing returned") from None
+    if not key.startswith(scope):
+        raise _invalid("cursor", "belongs to another listing (prefix or namespace)")
+    return key
+
+
+def _invalid(field: str, reason: str) -> ApiError:
+    return ApiError(422, "invalid_request", f"{field}: {reason}", field=field)

@@ -1,0 +1,71 @@
+"""Why an extraction produced no object: the engine's errors, importable without vLLM.
+
+The API process maps them to responses; keeping them here (no torch, no vLLM imports)
+lets route modules import them without loading the engine. Each error carries the
+error ``type`` and HTTP ``status`` a caller sees for the failed prompt.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ExtractionError(Exception):
+    """An extraction did not produce an object."""
+
+    error_type: ClassVar[str] = "internal_error"
+    status: ClassVar[int] = 500
+
+
+class StorageWriteError(ExtractionError):
+    """The hidden states were computed but could not be written."""
+
+    error_type = "storage_error"
+    status = 502
+
+
+class InvalidStatesError(ExtractionError):
+    """The states were computed but failed validation (NaN/Inf, an all-zero layer).
+
+    Nothing was stored. ``reason`` is ``non_finite`` or ``all_zero_layer``.
+    """
+
+    error_type = "invalid_hidden_states"
+    status = 500
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineUnavailableError(ExtractionError):
+    """The engine is dead or shutting down."""
+
+    error_type = "engine_unavailable"
+    status = 503
+
+
+class InvalidPromptError(ExtractionError, ValueError):
+    """The engine refused the prompt (too long, bad token ids)."""
+
+    error_type = "invalid_request"
+    status = 422
+
+
+class IdempotencyConflictError(ExtractionError):
+    """The object under a ``custom_id`` prompt's key holds other token ids than the
+    prompt's (or is unreadable); it is left as it is (``service.api.idempotency``)."""
+
+    error_type = "conflict"
+    status = 409
+
+
+#: Every per-prompt failure, most severe first (a request takes its worst prompt's).
+FAILURES: tuple[type[ExtractionError], ...] = (
+    EngineUnavailableError,
+    StorageWriteError,
+    InvalidStatesError,
+    ExtractionError,
+    IdempotencyConflictError,
+    InvalidPromptError,
+)

@@ -1,0 +1,307 @@
+"""Start-up errors as one line: which setting is wrong and what to do about it.
+
+``hsx`` checks what it can before the engine starts (settings, API keys, storage, the
+port, the model) and turns every failure, its own or the engine's, into a
+:class:`StartupError`: one line naming the setting (its path and its ``HSX_``
+variable) and the fix. ``hsx serve`` prints that line and exits non-zero; the
+traceback goes to the debug log (``service.logs``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import SettingsError
+
+ENV_PREFIX = "HSX_"
+#: Exit status of a start-up error: 2 for a wrong setting (as argparse), 1 otherwise.
+BAD_SETTING, FAILED = 2, 1
+# Settings whose values are secrets: never echoed in a message.
+_SECRET = {"server.api_keys"}
+
+
+class StartupError(Exception):
+    """A start-up failure that one line explains.
+
+    ``setting`` is a settings path (``engine.model``) or None; ``problem`` says what is
+    wrong, ``fix`` what to do; ``exit_code`` is the process's exit status.
+    """
+
+    def __init__(
+        self, setting: str | None, problem: str, fix: str, exit_code: int = BAD_SETTING
+    ) -> None:
+        self.setting, self.problem, self.fix, self.exit_code = setting, problem, fix, exit_code
+        super().__init__(self.line)
+
+    @property
+    def line(self) -> str:
+        """``hsx: error: <setting> (<HSX_ variable>): <problem>; <fix>`` on one line."""
+        where = f"{self.setting} ({env_name(self.setting)}): " if self.setting else ""
+        return one_line(f"hsx: error: {where}{self.problem}; {self.fix}")
+
+
+def env_name(setting: str) -> str:
+    """The environment variable of a settings path: ``engine.model`` -> HSX_ENGINE__MODEL."""
+    return ENV_PREFIX + setting.upper().replace(".", "__")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace, newlines included, as one space."""
+    return " ".join(text.split())
+
+
+# -- settings ------------------------------------------------------------------------
+
+
+def setting_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every leaf settings path of ``model`` (``storage.s3.region``, ...)."""
+    paths = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            paths += setting_paths(kind, f"{prefix}{name}.")
+        else:
+            paths.append(prefix + name)
+    return paths
+
+
+def check_environment(environ: Mapping[str, str], model: type[BaseModel]) -> None:
+    """Refuse ``HSX_`` variables that name no setting (a typo would be ignored)."""
+    known = {env_name(path) for path in setting_paths(model)}
+    # Whole sections may be given as JSON (HSX_STORAGE='{"url": ...}').
+    known |= {env_name(path.rsplit(".", 1)[0]) for path in setting_paths(model) if "." in path}
+    # Keys of a dict setting may be given one by one (HSX_ENGINE__EXTRA_ARGS__SEED=1).
+    dicts = tuple(env_name(path) + "__" for path in setting_paths(model) if _is_dict(model, path))
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in known and not upper.startswith(dicts):
+            close = difflib.get_close_matches(name.upper(), known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise StartupError(
+                None,
+                f"{name} is not a setting",
+                f"{hint}fix or unset it (`hsx config` prints every setting)",
+            )
+
+
+def _is_dict(model: type[BaseModel], path: str) -> bool:
+    *sections, leaf = path.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation  # type: ignore[assignment]
+    kind = model.model_fields[leaf].annotation
+    return kind is dict or getattr(kind, "__origin__", None) is dict
+
+
+def from_validation(exc: ValidationError | SettingsError) -> StartupError:
+    """One line for every invalid setting that pydantic found."""
+    if isinstance(exc, SettingsError):
+        return StartupError(None, str(exc), "fix the variable (JSON for lists and objects)")
+    errors = exc.errors()
+    first = errors[0]
+    path = ".".join(str(part) for part in first["loc"])
+    problem = first["msg"]
+    if path and path not in _SECRET and isinstance(first.get("input"), str | int | float):
+        problem += f", got {first['input']!r}"
+    others = [".".join(str(p) for p in e["loc"]) or "settings" for e in errors[1:]]
+    if others:
+        problem += f" (also invalid: {', '.join(others)})"
+    return StartupError(path or None, problem, "fix the variable or the flag")
+
+
+# -- checks before the engine starts --------------------------------------------------
+
+
+def check_api_keys(path: Path | None, inline: str | None) -> Any:
+    """Load the API keys, or say which file or line is wrong."""
+    from service.api.auth import ApiKeys
+
+    try:
+        return ApiKeys.load(path, inline)
+    except OSError as exc:
+        raise StartupError(
+            "server.api_keys_file",
+            f"cannot read {path}: {exc.strerror or exc}",
+            "point it at a readable file of namespace:key lines",
+        ) from exc
+    except ValueError as exc:
+        setting = "server.api_keys_file" if path and str(path) in str(exc) else "server.api_keys"
+        raise StartupError(
+            setting, str(exc), "write one namespace:key per line, keys of 16+ characters"
+        ) from exc
+
+
+async def check_storage(settings: Any) -> None:
+    """Open the configured storage and ping it once."""
+    from service.storage import open_storage
+
+    url = settings.storage.url
+    fix = "use a writable directory, file:///abs/path or s3://bucket/prefix"
+    try:
+        storage = open_storage(settings.storage)
+    except Exception as exc:
+        raise StartupError("storage.url", f"{url!r} is unusable: {exc}", fix) from exc
+    try:
+        await storage.ping()
+    except Exception as exc:
+        fix = (
+            "check the bucket, endpoint, region and AWS credentials"
+            if url.startswith("s3://")
+            else fix
+        )
+        raise StartupError("storage.url", f"{url!r} does not answer: {exc}", fix, FAILED) from exc
+    finally:
+        await storage.close()
+
+
+def check_model(model: str, layer_ids: list[int] | None) -> None:
+    """The model's config loads and the layer ids fit it."""
+    from service.engine.builder import read_model_info, resolve_layer_ids
+
+    try:
+        info = read_model_info(model)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError...
+        raise StartupError(
+            "engine.model",
+            f"cannot load the model config of {model!r}: {_first_line(exc)}",
+            "give a local model directory or a Hugging Face id this machine can download",
+        ) from exc
+    try:
+        resolve_layer_ids(layer_ids, info.num_layers)
+    except ValueError as exc:
+        raise StartupError("engine.layer_ids", str(exc), "pick ids in that range") from exc
+
+
+def bind(host: str, port: int) -> Any:
+    """The listening socket, bound before the engine starts so a busy port fails fast."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        setting = "server.port" if exc.errno == 98 else "server.host"
+        raise StartupError(
+            setting,
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+            "stop what uses it or pick another port (--port)"
+            if setting == "server.port"
+            else "give an address of this machine (--host)",
+            FAILED,
+        ) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+# -- the engine's failures -------------------------------------------------------------
+
+_GIB = r"([\d.]+)"
+_KV_TOO_SMALL = re.compile(
+    r"max seq len \((\d+)\), \(" + _GIB + r" GiB KV cache is needed, which is larger than "
+    r"the available KV cache memory \(" + _GIB + r" GiB\)\.(?: Based on the available "
+    r"memory, the estimated maximum model length is (\d+)\.)?"
+)
+_KV_OVER_NODE = re.compile(
+    r"Available memory on node (\d+) \(" + _GIB + "/" + _GIB + r" GiB\) on kv cache "
+    r"allocation is less than requested memory for kv \(" + _GIB + r" GiB\)"
+)
+_UTILISATION = re.compile(
+    r"Available memory on node (\d+) \(" + _GIB + "/" + _GIB + r" GiB\) on startup is less "
+    r"than desired CPU memory utilization \(([\d.]+), " + _GIB + r" GiB\)"
+)
+_OUT_OF_MEMORY = re.compile(r"(CUDA out of memory|OutOfMemoryError|Cannot allocate memory)")
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$", re.MULTILINE)
+#: vLLM argument names in its messages -> our settings.
+_VLLM_ARGS = {
+    "max_model_len": "engine.max_model_len",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "tensor_parallel_size": "engine.tensor_parallel_size",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "kv_cache_memory_bytes": "engine.cpu_kvcache_space_gib",
+    "dtype": "engine.dtype",
+}
+
+
+def from_engine(exc: BaseException, log_text: str, on_cpu: bool) -> StartupError:
+    """Explain an engine that failed to start, from the exception and the debug log.
+
+    vLLM's engine runs in child processes: the parent only learns that they died, the
+    reason is in what they logged (``log_text``, this run's debug log).
+    """
+    cache = "engine.cpu_kvcache_space_gib" if on_cpu else "engine.gpu_memory_utilization"
+    if found := _KV_TOO_SMALL.search(log_text):
+        length, needed, have, fits = found.groups()
+        shorter = f" or {env_name('engine.max_model_len')}={fits} or less" if fits else ""
+        return StartupError(
+            cache,
+            f"a KV cache of {have} GiB cannot hold one sequence of max_model_len {length} "
+            f"tokens ({needed} GiB needed)",
+            f"raise {env_name(cache)}{shorter}",
+            FAILED,
+        )
+    if found := _KV_OVER_NODE.search(log_text):
+        node, free, total, wanted = found.groups()
+        return StartupError(
+            "engine.cpu_kvcache_space_gib",
+            f"a KV cache of {wanted} GiB does not fit in the {free} GiB free on NUMA node "
+            f"{node} (of {total} GiB)",
+            "lower it, or free memory on that node",
+            FAILED,
+        )
+    if found := _UTILISATION.search(log_text):
+        node, free, total, share, wanted = found.groups()
+        return StartupError(
+            "engine.gpu_memory_utilization",
+            f"vLLM wants {share} of NUMA node {node} ({wanted} GiB) free at start, only "
+            f"{free} of {total} GiB is",
+            f"unset it to get a fixed KV cache, or set {env_name('engine.cpu_kvcache_space_gib')}",
+            FAILED,
+        )
+    if "No available memory for the cache blocks" in log_text:
+        return StartupError(
+            cache,
+            "the KV cache is too small for a single block",
+            f"raise {env_name(cache)}",
+            FAILED,
+        )
+    message = _root_cause(exc, log_text)
+    if _OUT_OF_MEMORY.search(message):
+        return StartupError(
+            cache,
+            f"the engine ran out of memory: {message}",
+            f"lower {env_name(cache)} or {env_name('engine.max_model_len')}, or use a "
+            "smaller model",
+            FAILED,
+        )
+    setting = next((ours for arg, ours in _VLLM_ARGS.items() if arg in message), None)
+    return StartupError(
+        setting,
+        f"the engine failed to start: {message}",
+        "fix the setting named there (the debug log has the details)",
+        FAILED,
+    )
+
+
+def _root_cause(exc: BaseException, log_text: str) -> str:
+    """The most specific exception message: the children's, else the chain's first."""
+    text = str(exc)
+    if "See root cause above" in text or "initialization failed" in text:
+        lines = [m for m in _EXCEPTION_LINE.finditer(log_text) if "See root cause" not in m[0]]
+        if lines:
+            return one_line(f"{lines[0][1]}: {lines[0][2]}")
+    cause: BaseException = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return f"{type(cause).__name__}: {_first_line(cause)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(exc).__name__

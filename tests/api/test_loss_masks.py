@@ -1,0 +1,113 @@
+"""``loss`` on /extract: the stored loss_mask, over real HTTP and a real engine.
+
+The tiny model's template writes ``<|role|>content\\n`` per message, so the assistant's
+supervised text is its content and the newline that ends its turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from safetensors.torch import load
+
+from tests.api.conftest import AUTH_A, ServerThread, objects_under
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "The quick brown fox?"},
+    {"role": "assistant", "content": "jumps over the lazy dog."},
+    {"role": "user", "content": "And then?"},
+    {"role": "assistant", "content": "Hidden states."},
+]
+
+
+def stored(client: httpx.Client, obj: dict[str, Any]) -> dict[str, Any]:
+    return load(client.get(f"/objects/{obj['key']}", headers=AUTH_A).content)
+
+
+def supervised_text(tokenizer: Any, tensors: dict[str, Any]) -> list[str]:
+    from service.masks import mask_to_spans
+
+    ids, mask = tensors["token_ids"].tolist(), tensors["loss_mask"].tolist()
+    return [tokenizer.decode(ids[s:e]) for s, e in mask_to_spans(mask)]
+
+
+def test_assistant_and_last_turn_masks(client: httpx.Client, local_engine: ServerThread) -> None:
+    tokenizer = local_engine.extractor.tokenizer
+    for loss, expected in [
+        ("assistant", ["jumps over the lazy dog.\n", "Hidden states.\n"]),
+        ("last_turn", ["Hidden states.\n"]),
+    ]:
+        body = {"prompts": [{"messages": CHAT}], "loss": loss}
+        response = client.post("/extract", json=body, headers=AUTH_A)
+        assert response.status_code == 200, response.text
+        obj = response.json()["objects"][0]
+        tensors = stored(client, obj)
+        mask = tensors["loss_mask"]
+        assert str(mask.dtype) == "torch.uint8"
+        assert mask.shape == tensors["token_ids"].shape == (obj["num_tokens"],)
+        assert supervised_text(tokenizer, tensors) == expected
+        assert obj["num_loss_tokens"] == int(mask.sum())
+
+
+def test_generated_tokens_are_supervised(client: httpx.Client) -> None:
+    conversation = CHAT[:2]  # ends with the user: no assistant turn of its own
+    body = {
+        "prompts": [{"messages": conversation}],
+        "loss": "assistant",
+        "max_tokens": 5,
+        "include_output_tokens": True,
+    }
+    response = client.post("/extract", json=body, headers=AUTH_A)
+    assert response.status_code == 200, response.text
+    obj = response.json()["objects"][0]
+    tensors = stored(client, obj)
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    mask = tensors["loss_mask"].tolist()
+    assert len(mask) == prompt_tokens + 4  # the last generated token has no state
+    assert mask == [0] * prompt_tokens + [1] * 4
+    assert obj["num_loss_tokens"] == 4
+
+
+def test_all_and_none(client: httpx.Client) -> None:
+    body = {"prompts": ["hello world", {"token_ids": [5, 6, 7]}], "loss": "all"}
+    response = client.post("/extract", json=body, headers=AUTH_A)
+    assert response.status_code == 200, response.text
+    for obj in response.json()["objects"]:
+        assert stored(client, obj)["loss_mask"].tolist() == [1] * obj["num_tokens"]
+        assert obj["num_loss_tokens"] == obj["num_tokens"]
+    plain = client.post("/extract", json={"prompts": [{"messages": CHAT}]}, headers=AUTH_A)
+    obj = plain.json()["objects"][0]
+    assert "loss_mask" not in stored(client, obj)
+    assert obj["num_loss_tokens"] is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "loss", "field", "reason"),
+    [
+        ({"messages": CHAT[:2]}, "assistant", "prompts[1].messages", "supervises no token"),
+        ({"messages": CHAT[2:4]}, "last_turn", "prompts[1].messages", "supervises no token"),
+        ({"token_ids": [5, 6, 7]}, "assistant", "prompts[1]", "needs a messages prompt"),
+    ],
+)
+def test_refused_masks_name_the_prompt(
+    client: httpx.Client,
+    local_engine: ServerThread,
+    prompt: dict[str, Any],
+    loss: str,
+    field: str,
+    reason: str,
+) -> None:
+    root = local_engine.root  # type: ignore[attr-defined]
+    before = objects_under(root, "team-a")
+    body = {"prompts": [{"messages": CHAT}, prompt], "loss": loss}
+    response = client.post("/extract", json=body, headers=AUTH_A)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert (error["field"], error["index"]) == (field, 1)
+    assert reason in error["message"]
+    assert objects_under(root, "team-a") == before  # nothing ran, nothing stored

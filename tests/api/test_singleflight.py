@@ -1,0 +1,79 @@
+"""Single-flight: concurrent callers of one key share one run; leaving callers cancel it
+only when none is left."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service.api.singleflight import SingleFlight
+
+
+async def test_concurrent_callers_share_one_run() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    runs, gate = 0, asyncio.Event()
+
+    async def work() -> int:
+        nonlocal runs
+        runs += 1
+        await gate.wait()
+        return 42
+
+    callers = [asyncio.ensure_future(flights.run("k", work)) for _ in range(16)]
+    await asyncio.sleep(0)  # every caller joins before the work ends
+    gate.set()
+    results = await asyncio.gather(*callers)
+    assert runs == 1
+    assert sorted(shared for _, shared in results) == [False] + [True] * 15
+    assert {value for value, _ in results} == {42}
+    # Done flights are forgotten: the next call runs again.
+    assert await flights.run("k", work) == (42, False)
+    assert runs == 2
+
+
+async def test_the_run_outlives_a_leaving_caller_but_not_the_last() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    started, gate = asyncio.Event(), asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def work() -> int:
+        started.set()
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 7
+
+    first = asyncio.ensure_future(flights.run("k", work))
+    second = asyncio.ensure_future(flights.run("k", work))
+    await started.wait()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert not cancelled.is_set()
+    gate.set()
+    assert await second == (7, True)
+
+    gate.clear()
+    started.clear()
+    last = asyncio.ensure_future(flights.run("k", work))
+    await started.wait()
+    last.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await last
+    assert cancelled.is_set()  # nobody waits any more: the work was cancelled
+
+
+async def test_errors_reach_every_caller() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+
+    async def work() -> int:
+        await asyncio.sleep(0)
+        raise RuntimeError("boom")
+
+    results = await asyncio.gather(
+        *(flights.run("k", work) for _ in range(3)), return_exceptions=True
+    )
+    assert all(isinstance(r, RuntimeError) for r in results)

@@ -1,0 +1,95 @@
+"""The connector's scheduler half on its own: which finished requests it holds and saves.
+
+Requests here are plain objects with the attributes vLLM's ``Request`` has; the real
+engine runs this code in every engine test.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from service.engine.connector.scheduler import HsxConnectorScheduler
+from service.engine.wire import REQUEST_ARG, RequestParams
+
+KEY = "hsx/team/2026/01/01/" + "a" * 32 + ".safetensors"
+
+
+def request(extra_args: Any, status: Any = RequestStatus.FINISHED_LENGTH_CAPPED) -> Any:
+    return SimpleNamespace(
+        request_id="r1",
+        status=status,
+        sampling_params=SimpleNamespace(extra_args=extra_args),
+        prompt_token_ids=[5, 6, 7],
+        all_token_ids=[5, 6, 7, 8, 9],
+    )
+
+
+def scheduler() -> HsxConnectorScheduler:
+    return HsxConnectorScheduler(group=1, model_name="m", layer_ids=[1, 2], dtype="float32")
+
+
+def test_ours_is_held_and_saved_with_the_hidden_state_groups_blocks() -> None:
+    half = scheduler()
+    params = RequestParams(key=KEY, include_output_tokens=True, metadata={"run": "r", "model": "x"})
+    held, _ = half.request_finished_all_groups(request(params.to_extra_args()), ([1], [7, 8]))
+    assert held
+    assert half.has_pending_block_frees()
+    (save,) = half.build_connector_meta().saves
+    assert (save.key, save.block_ids, save.token_ids) == (KEY, [7, 8], [5, 6, 7, 8])
+    assert save.metadata["model"] == "m"  # ours win over the caller's
+    assert save.metadata["run"] == "r"
+    assert json.loads(save.metadata["layer_ids"]) == [1, 2]
+    assert half.build_connector_meta().saves == []  # handed over once
+    half.update_connector_output(SimpleNamespace(finished_sending={"r1"}))  # type: ignore[arg-type]
+    assert not half.has_pending_block_frees()
+
+
+def test_others_aborted_and_unscheduled_are_not_held() -> None:
+    half = scheduler()
+    ours = RequestParams(key=KEY).to_extra_args()
+    assert half.request_finished_all_groups(request(None), ([1], [2])) == (False, None)
+    aborted = request(ours, RequestStatus.FINISHED_ABORTED)
+    assert half.request_finished_all_groups(aborted, ([1], [2])) == (False, None)
+    assert half.request_finished_all_groups(request(ours), ([1], [])) == (False, None)
+    assert half.request_finished_all_groups(request(ours), ([1],)) == (False, None)
+    assert half.build_connector_meta().saves == []
+
+
+def test_malformed_parameters_fail_the_prompt_not_the_engine() -> None:
+    half = scheduler()
+    bad = {REQUEST_ARG: {"key": KEY, "include_output_tokens": "perhaps"}}
+    held, _ = half.request_finished_all_groups(request(bad), ([1], [3]))
+    assert held  # its blocks come back once the worker reported the failure
+    (save,) = half.build_connector_meta().saves
+    assert save.key == KEY
+    assert save.failure is not None
+    assert "include_output_tokens" in save.failure
+
+
+def test_loss_spans_cover_the_stored_tokens() -> None:
+    half = scheduler()
+    prompt_only = RequestParams(key=KEY, loss_spans=((1, 3),))
+    with_output = RequestParams(key=KEY, include_output_tokens=True, loss_spans=((0, 1),))
+    no_mask = RequestParams(key=KEY)
+    for params in (prompt_only, with_output, no_mask):
+        half.request_finished_all_groups(request(params.to_extra_args()), ([1], [2]))
+    first, second, third = half.build_connector_meta().saves
+    assert first.loss_spans == [(1, 3)]
+    # The generated token with a state (8; 9 has none) is supervised too.
+    assert (second.token_ids, second.loss_spans) == ([5, 6, 7, 8], [(0, 1), (3, 4)])
+    assert third.loss_spans is None
+    assert first.failure is second.failure is third.failure is None
+
+
+def test_loss_spans_past_the_prompt_fail_the_prompt() -> None:
+    half = scheduler()
+    params = RequestParams(key=KEY, loss_spans=((2, 4),))  # the prompt has 3 tokens
+    held, _ = half.request_finished_all_groups(request(params.to_extra_args()), ([1], [3]))
+    assert held
+    (save,) = half.build_connector_meta().saves
+    assert save.failure is not None
+    assert "past the prompt's 3 tokens" in save.failure

@@ -1,0 +1,176 @@
+"""The writer pool on its own (no engine): real local storage, a real completion channel."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from service.config import StorageSettings
+from service.engine.completion import CompletionReceiver, CompletionSender
+from service.engine.connector.worker import loss_mask
+from service.engine.objects import object_metadata
+from service.engine.wire import Completion, WriteFailure
+from service.engine.writer import WriteJob, WriterPool
+from service.storage.keys import new_object_key
+
+FAULTY = "tests.engine.faulty:open_faulty_storage"
+
+
+class Rig:
+    """A writer pool writing under ``root``, its completions received here."""
+
+    def __init__(self, root: Path, receiver: CompletionReceiver, **options: Any) -> None:
+        self.root, self.receiver = root, receiver
+        self.pool = WriterPool(
+            StorageSettings(url=str(root)),
+            CompletionSender(receiver.address),
+            max_bytes_in_flight=options.pop("max_bytes_in_flight", 10**9),
+            max_concurrent_writes=2,
+            **options,
+        )
+
+    def job(self, states: torch.Tensor, namespace: str = "team") -> WriteJob:
+        key = new_object_key("hsx", namespace)
+        token_ids = torch.arange(states.shape[0])
+        metadata = object_metadata("m", list(range(states.shape[1])), "float32")
+        return WriteJob(key, states, token_ids, metadata, states.numel() * 4)
+
+    async def write(self, job: WriteJob) -> Completion:
+        waiter = self.receiver.expect(job.key)
+        assert self.pool.try_reserve(job.nbytes)
+        self.pool.submit(job)
+        return await asyncio.wait_for(waiter, 30)
+
+
+@pytest.fixture
+async def receiver(tmp_path: Path) -> AsyncIterator[CompletionReceiver]:
+    receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")
+    receiver.start()
+    yield receiver
+    await receiver.close()
+
+
+@pytest.fixture
+async def rig(tmp_path: Path, receiver: CompletionReceiver) -> AsyncIterator[Rig]:
+    rig = Rig(tmp_path / "objects", receiver, storage_factory=FAULTY)
+    yield rig
+    await asyncio.to_thread(rig.pool.close)
+
+
+def states(tokens: int = 5, layers: int = 3, hidden: int = 8) -> torch.Tensor:
+    return torch.randn(tokens, layers, hidden)
+
+
+async def test_a_written_object_is_reported_with_its_storage_calls(rig: Rig) -> None:
+    job = rig.job(states())
+    completion = await rig.write(job)
+    assert completion.stored is not None
+    data = (rig.root / job.key).read_bytes()
+    assert completion.stored.size == len(data)
+    assert completion.stored.sha256 == hashlib.sha256(data).hexdigest()
+    assert completion.stored.shape == (5, 3, 8)
+    assert completion.bytes_in_flight == 0  # released before it was sent
+    assert completion.peak_bytes_in_flight == job.nbytes
+    puts = [op for op in completion.storage_ops if op.operation == "put"]
+    assert [(op.written, op.error) for op in puts] == [(len(data), None)]
+
+
+async def test_a_loss_mask_is_stored_and_its_tokens_counted(rig: Rig) -> None:
+    job = rig.job(states(tokens=6))
+    job.loss_mask = loss_mask([(1, 3), (4, 6)], 6)
+    completion = await rig.write(job)
+    assert completion.stored is not None
+    assert completion.stored.num_loss_tokens == 4
+    stored = load_file(rig.root / job.key)
+    assert stored["loss_mask"].dtype == torch.uint8
+    assert stored["loss_mask"].tolist() == [0, 1, 1, 0, 1, 1]
+    assert stored["token_ids"].tolist() == list(range(6))  # aligned, not shifted
+    plain = await rig.write(rig.job(states()))
+    assert plain.stored is not None
+    assert plain.stored.num_loss_tokens is None
+
+
+def test_the_ceiling_holds_but_lets_one_large_object_through(tmp_path: Path) -> None:
+    async def run() -> None:
+        receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")
+        receiver.start()
+        rig = Rig(tmp_path / "objects", receiver, max_bytes_in_flight=1000)
+        pool = rig.pool
+        assert pool.try_reserve(5000)  # alone and over the ceiling: let through
+        assert not pool.try_reserve(1)
+        await asyncio.to_thread(pool.report_failure, "hsx/t/k", _failure(), 5000)
+        assert pool.bytes_in_flight == 0
+        assert pool.try_reserve(600)
+        assert not pool.try_reserve(600)
+        assert pool.try_reserve(400)
+        assert pool.bytes_in_flight == 1000
+        await asyncio.to_thread(pool.report_failure, "hsx/t/k", _failure(), 1000)
+        await asyncio.to_thread(pool.close)
+        await receiver.close()
+
+    asyncio.run(run())
+
+
+def _failure() -> WriteFailure:
+    return WriteFailure(type="internal_error", message="copy-out failed")
+
+
+async def test_failures_are_reported_and_release_their_bytes(rig: Rig) -> None:
+    job = rig.job(states(), namespace="fail-here")
+    completion = await rig.write(job)
+    assert completion.failure is not None
+    assert completion.failure.type == "storage_error"
+    assert "injected write failure" in completion.failure.message
+    assert completion.bytes_in_flight == 0
+    assert [op.error for op in completion.storage_ops if op.operation == "put"] == ["error"]
+    assert not (rig.root / job.key).exists()
+    waiter = rig.receiver.expect("hsx/t/x")
+    await asyncio.to_thread(rig.pool.report_failure, "hsx/t/x", _failure())
+    assert (await asyncio.wait_for(waiter, 10)).failure == _failure()
+
+
+@pytest.mark.parametrize(
+    ("reason", "layer"),
+    [("non_finite", float("nan")), ("non_finite", float("-inf")), ("all_zero_layer", 0.0)],
+)
+async def test_invalid_states_are_refused_and_nothing_is_stored(
+    rig: Rig, reason: str, layer: float
+) -> None:
+    bad = states()
+    if layer == 0.0:
+        bad[:, 1] = 0.0
+    else:
+        bad[3, 1, 2] = layer
+    job = rig.job(bad)
+    completion = await rig.write(job)
+    assert completion.failure is not None
+    assert (completion.failure.type, completion.failure.reason) == ("invalid_hidden_states", reason)
+    assert "layer ids [1]" in completion.failure.message
+    assert not (rig.root / job.key).exists()
+    assert [op for op in completion.storage_ops if op.operation == "put"] == []
+
+
+async def test_close_drains_queued_writes(
+    tmp_path: Path, receiver: CompletionReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HSX_TEST_WRITE_DELAY_S", "0.2")  # read when the storage opens
+    rig = Rig(tmp_path / "objects", receiver, storage_factory=FAULTY)
+    arrived: list[Completion] = []
+    receiver.on_message = arrived.append
+    jobs = [rig.job(states()) for _ in range(4)]
+    waiters = [receiver.expect(job.key) for job in jobs]
+    for job in jobs:
+        assert rig.pool.try_reserve(job.nbytes)
+        rig.pool.submit(job)
+    await asyncio.to_thread(rig.pool.close)  # returns once every write is done
+    assert all((rig.root / job.key).is_file() for job in jobs)
+    completions = await asyncio.wait_for(asyncio.gather(*waiters), 10)
+    assert all(c.stored is not None for c in completions)
+    assert completions[-1].bytes_in_flight == 0 or any(c.bytes_in_flight == 0 for c in completions)

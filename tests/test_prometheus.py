@@ -1,0 +1,258 @@
+"""The Grafana dashboard against a real Prometheus scraping a real hsx.
+
+Debian's ``prometheus`` (``make install`` installs it where apt works) scrapes an
+``hsx serve`` process every second. After a known workload, every PromQL expression of
+``deploy/helm/hsx/dashboards/hsx-overview.json`` must evaluate without error through
+Prometheus' HTTP API and return data, with Grafana's variables filled in the way
+Grafana fills them; the prompt, byte, token and KV-cache panels must show exactly the
+work that was done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy/helm/hsx/dashboards/hsx-overview.json"
+JOB = "hsx"
+# Grafana's $__rate_interval is at least four scrape intervals; one minute spans the
+# whole workload here, so rate() sees the counters before and after it.
+RATE_INTERVAL = "1m"
+PROMPTS = [{"token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
+REQUESTS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(check: Any, what: str, limit_s: float = 300) -> Any:
+    """``check()`` until it returns something truthy (polled, no fixed sleeps)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            found = check()
+        except httpx.TransportError:
+            found = None
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def hsx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``hsx serve`` with the demo model, in a clean environment."""
+    cwd = tmp_path_factory.mktemp("hsx")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    with (cwd / "serve.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--port", str(port)],
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            lambda: proc.poll() is None and httpx.get(f"{url}/ready", timeout=2).is_success,
+            f"hsx to become ready:\n{(cwd / 'serve.log').read_text()[-2000:]}",
+            limit_s=600,
+        )
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def prometheus(hsx: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Debian's Prometheus on 127.0.0.1, scraping ``hsx`` every second."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no `prometheus` binary (Debian package `prometheus`; `make install` adds it)")
+    root = tmp_path_factory.mktemp("prometheus")
+    target = hsx.removeprefix("http://")
+    (root / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs:\n  - job_name: {JOB}\n    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = free_port()
+    with (root / "prometheus.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={root / 'prometheus.yml'}",
+                f"--storage.tsdb.path={root / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(f"{url}/-/ready", timeout=2).is_success, "Prometheus")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
+    """An instant query; fails on any PromQL error."""
+    reply = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30).json()
+    assert reply["status"] == "success", f"{expr}: {reply}"
+    return list(reply["data"]["result"])
+
+
+def value(prometheus: str, expr: str) -> float:
+    result = query(prometheus, expr)
+    assert len(result) == 1, f"{expr}: {result}"
+    return float(result[0]["value"][1])
+
+
+@pytest.fixture(scope="module")
+def workload(hsx: str, prometheus: str) -> dict[str, Any]:
+    """REQUESTS requests of three prompts each, once Prometheus has scraped the idle
+    service twice; returns what was done, after Prometheus has seen all of it."""
+    wait_for(
+        lambda: query(prometheus, f'count_over_time(up{{job="{JOB}"}}[1m]) >= 2'),
+        "two scrapes before the workload",
+    )
+    answers = []
+    for _ in range(REQUESTS):
+        reply = httpx.post(f"{hsx}/extract", json={"prompts": PROMPTS}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        answers.append(reply.json())
+    objects = [obj for answer in answers for obj in answer["objects"]]
+    done = {
+        "prompts": len(objects),
+        "bytes": sum(obj["bytes"] for obj in objects),
+        "tokens": sum(answer["usage"]["prompt_tokens"] for answer in answers),
+        "model": answers[0]["model"],
+    }
+    wait_for(
+        lambda: query(prometheus, f'hsx_extract_prompts_total{{outcome="ok"}} == {len(objects)}'),
+        "Prometheus to scrape the finished workload",
+    )
+    return done
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expression) for every target of every panel."""
+
+    def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for item in items:
+            yield item
+            yield from panels(item.get("panels", []))
+
+    board = json.loads(DASHBOARD.read_text())
+    return [
+        (panel["title"], target["expr"])
+        for panel in panels(board["panels"])
+        for target in panel.get("targets", [])
+    ]
+
+
+def variables(prometheus: str) -> dict[str, str]:
+    """Grafana's template variables, resolved as Grafana does: ``label_values(metric,
+    label)`` through Prometheus' label API, every value selected (a regex of them)."""
+    board = json.loads(DASHBOARD.read_text())
+    resolved = {"__rate_interval": RATE_INTERVAL}
+    for var in board["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        found = re.fullmatch(r"label_values\((.+), (\w+)\)", var["definition"])
+        assert found, var["definition"]
+        selector = substitute(found.group(1), resolved)
+        reply = httpx.get(
+            f"{prometheus}/api/v1/label/{found.group(2)}/values", params={"match[]": selector}
+        ).json()
+        assert reply["status"] == "success", f"${var['name']}: {reply}"
+        assert reply["data"], f"${var['name']} has no values: {selector}"
+        # Regex-escaped, then escaped again for PromQL's string literal, as Grafana does.
+        regex = "|".join(re.escape(v) for v in reply["data"])
+        resolved[var["name"]] = regex.replace("\\", "\\\\")
+    return resolved
+
+
+def substitute(expr: str, resolved: dict[str, str]) -> str:
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: resolved[m.group(1)], expr)
+
+
+def test_every_dashboard_expression_returns_data(prometheus: str, workload: dict[str, Any]) -> None:
+    resolved = variables(prometheus)
+    assert resolved["model"] == re.escape(workload["model"]).replace("\\", "\\\\")
+    empty = []
+    for title, expr in dashboard_queries():
+        if not query(prometheus, substitute(expr, resolved)):
+            empty.append(f"{title}: {expr}")
+    assert not empty, "expressions without data:\n" + "\n".join(empty)
+
+
+def without_rate(expr: str) -> str:
+    """The panel's expression over the counters themselves instead of their rate."""
+    return re.sub(r"rate\((.+?)\[\$__rate_interval\]\)", r"\1", expr)
+
+
+def panel(title: str) -> list[str]:
+    return [expr for name, expr in dashboard_queries() if name == title]
+
+
+def test_throughput_panels_count_the_work(prometheus: str, workload: dict[str, Any]) -> None:
+    resolved = variables(prometheus)
+    ok, failed = panel("Prompts extracted /s")
+    assert value(prometheus, substitute(without_rate(ok), resolved)) == workload["prompts"]
+    assert value(prometheus, substitute(without_rate(failed), resolved)) == 0
+    assert value(prometheus, substitute(ok, resolved)) > 0
+    (tokens,) = panel("Tokens extracted /s")
+    assert value(prometheus, substitute(without_rate(tokens), resolved)) == workload["tokens"]
+    (written,) = panel("Bytes written /s")
+    series = query(prometheus, substitute(without_rate(written), resolved))
+    assert [(s["metric"], float(s["value"][1])) for s in series] == [
+        ({"backend": "file"}, workload["bytes"])
+    ]
+
+
+def test_kv_cache_panels_show_the_engine_layout(prometheus: str, workload: dict[str, Any]) -> None:
+    resolved = variables(prometheus)
+    info, memory, page = (substitute(e, resolved) for e in panel("KV-cache groups"))
+    (group,) = query(prometheus, info)
+    labels = group["metric"]
+    # The demo Llama: one uniform group for its 4 attention layers and the hidden-state
+    # layer, vLLM's CPU block size.
+    assert (labels["group"], labels["kind"], labels["layers"]) == (
+        "0",
+        "full_attention+hidden_state",
+        "5",
+    )
+    assert labels["block_size"] == "128"
+    allocated, _hidden, blocks = (substitute(e, resolved) for e in panel("KV-cache memory"))
+    group_memory = value(prometheus, memory)
+    assert group_memory == value(prometheus, allocated)
+    assert group_memory == value(prometheus, page) * value(prometheus, blocks)
+    # hsx's default CPU cache: 1 GiB, of which whole blocks are allocated.
+    assert 1024**3 - value(prometheus, page) < group_memory <= 1024**3

@@ -1,0 +1,238 @@
+"""The README's front door, run as written on a fresh clone.
+
+The commands are parsed out of README.md, not copied here, so the test breaks when the
+README and the code part ways: ``make serve`` in a clean environment (no ``HSX_`` or
+``VLLM_`` variables, so a setting that the README does not give makes it fail), the
+quickstart ``curl``, the read-back snippet, and SIGTERM. ``.ci/run`` must run the
+README's test command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+PORT = 8000  # the README's
+
+
+def two_commands() -> dict[str, str]:
+    """``what -> command`` from the README's "The two commands" table."""
+    section = README.split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([^|]+?) \| `([^`]+)` \|", section, re.MULTILINE)
+    return dict(rows)
+
+
+def fenced(after: str, language: str) -> str:
+    """The first ```language block after the text ``after``."""
+    rest = README.split(after, 1)[1]
+    found = re.search(rf"```{language}\n(.*?)```", rest, re.DOTALL)
+    assert found, f"no {language} block after {after!r} in README.md"
+    return found.group(1)
+
+
+def quickstart() -> tuple[str, str]:
+    """The quickstart's serve command and its curl command (continuations kept)."""
+    lines = fenced("## Quickstart", "bash").splitlines()
+    serve = lines[0].split("#", 1)[0].strip()
+    curl = "\n".join(lines[1:]).strip()
+    assert curl.startswith("curl "), curl
+    return serve, curl
+
+
+def example_response() -> dict[str, Any]:
+    """The quickstart's example answer; ``…`` stands for what varies."""
+    text = fenced("## Quickstart", "json").replace(", …]", "]")
+    return dict(json.loads(text))
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    script = (ROOT / ".ci/run").read_text().splitlines()
+    setup = ("#", "set ", "cd ")  # comments and shell set-up, not commands
+    commands = [line for line in script if line.strip() and not line.startswith(setup)]
+    assert commands == [two_commands()["run the tests"]]
+
+
+def test_readme_example_names_the_demo_model() -> None:
+    commands = two_commands()
+    assert commands["start the service"] == "make serve"
+    assert quickstart()[0] == commands["start the service"]
+    assert example_response()["model"].endswith("/var/models/tiny-llama")
+
+
+# -- the real thing -------------------------------------------------------------------
+
+
+def fresh_clone(tmp: Path) -> Path:
+    """``git clone`` of this repository plus the working tree's uncommitted files (the
+    code under test), with ``.venv`` pointing at the venv running this test.
+
+    Building a venv takes minutes and gigabytes; the clone borrows this one. Make
+    rebuilds the venv when ``pyproject.toml`` is newer than the venv's stamp, and a
+    clone's files are brand new: the clone's ``pyproject.toml`` gets the stamp's age so
+    that ``make serve`` reuses the venv (it would otherwise reinstall the shared venv
+    from the clone). The rest of the Makefile runs as written.
+    """
+    clone = tmp / "hsx"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file() and not source.is_symlink():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, clone / name)
+    venv = Path(sys.prefix)
+    stamp = venv / ".hsx-installed"
+    if not stamp.exists():
+        pytest.skip(f"{venv} was not built by `make install` (no {stamp.name})")
+    (clone / ".venv").symlink_to(venv, target_is_directory=True)
+    age = stamp.stat().st_mtime - 60
+    os.utime(clone / "pyproject.toml", (age, age))
+    up_to_date = subprocess.run(["make", "-q", ".venv/.hsx-installed"], cwd=clone, check=False)
+    assert up_to_date.returncode == 0, "make would rebuild the shared venv"
+    return clone
+
+
+def clean_environment(clone: Path) -> dict[str, str]:
+    """This environment without hsx's and vLLM's variables.
+
+    PYTHONPATH: the venv's editable install points at the checkout that built it; a
+    fresh install in the clone would run the clone's code, so the clone goes first.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSX_", "VLLM_"))}
+    return {**env, "PYTHONPATH": str(clone)}
+
+
+def wait_ready(proc: subprocess.Popen[bytes], log: Path, limit_s: float = 600) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"make serve exited:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{PORT}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"make serve never became ready:\n{log.read_text()[-3000:]}")
+
+
+def hsx_process(make: subprocess.Popen[bytes]) -> Any:
+    """The ``hsx serve`` process that ``make serve`` started."""
+    import psutil
+
+    for child in psutil.Process(make.pid).children(recursive=True):
+        if "serve" in child.cmdline() and any("hsx" in part for part in child.cmdline()):
+            return child
+    raise AssertionError("no hsx serve process under make")
+
+
+def port_is_free() -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", PORT))
+        except OSError:
+            return False
+    return True
+
+
+def check_answer(answer: dict[str, Any], objects: Path) -> None:
+    """The answer has the README example's shape and values, where they do not vary
+    (the byte count does: the metadata holds the model's absolute path)."""
+    example = example_response()
+    for field in ("layer_ids", "dtype", "hidden_size", "usage"):
+        assert answer[field] == example[field], field
+    assert len(answer["objects"]) == 2
+    got, shown = answer["objects"][0], example["objects"][0]
+    for field in ("index", "num_tokens", "shape"):
+        assert got[field] == shown[field], field
+    prefix = shown["key"].split("/20", 1)[0]  # "hsx/default"
+    for obj in answer["objects"]:
+        assert re.fullmatch(rf"{prefix}/\d{{4}}/\d\d/\d\d/[0-9a-f]{{32}}\.safetensors", obj["key"])
+        assert obj["uri"] == (objects / obj["key"]).as_uri()
+        assert (objects / obj["key"]).stat().st_size == obj["bytes"]
+
+
+def read_back(clone: Path, env: dict[str, str], key: str) -> dict[str, Any]:
+    """The README's read-back snippet with ``key`` filled in; what it loaded."""
+    snippet = fenced("Read one back:", "python")
+    code, count = re.subn(r'^key = "[^"]*"', f"key = {json.dumps(key)}", snippet, flags=re.M)
+    assert count == 1, "the snippet has no `key = ...` line"
+    code += (
+        "\nimport json\nprint(json.dumps({'shape': list(tensors['hidden_states'].shape),"
+        " 'token_ids': tensors['token_ids'].tolist(), 'dtype': str(tensors['token_ids'].dtype)}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout.splitlines()[-1]))
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_make_serve_on_a_fresh_clone(tmp_path: Path) -> None:
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed; the README's quickstart uses it")
+    if not port_is_free():
+        pytest.skip(f"port {PORT} is in use; the README's commands need it")
+    clone = fresh_clone(tmp_path)
+    env = clean_environment(clone)
+    serve, curl = quickstart()
+    log = tmp_path / "make-serve.log"
+    with log.open("wb") as out:
+        make = subprocess.Popen(
+            ["bash", "-c", serve],
+            cwd=clone,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_ready(make, log)
+        reply = subprocess.run(
+            ["bash", "-c", curl + " -w '\\n%{http_code}'"],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        body, status = reply.rsplit("\n", 1)
+        assert status == "200", body
+        answer = json.loads(body)
+        check_answer(answer, clone / "var/objects")
+        loaded = read_back(clone, env, answer["objects"][1]["key"])
+        assert loaded == {
+            "shape": answer["objects"][1]["shape"],
+            "token_ids": [1, 15, 27],  # the quickstart's second prompt
+            "dtype": "torch.int64",
+        }
+        hsx_process(make).send_signal(signal.SIGTERM)
+        assert make.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait(30)
+    output = log.read_text()
+    assert "Application startup complete" in output  # what the README says to wait for
+    assert "Traceback" not in output

@@ -1,0 +1,241 @@
+"""Start-up errors of ``hsx serve``: one line naming the setting, a non-zero exit, no
+traceback on the console (it goes to the debug log).
+
+Each case runs the real command in a clean directory with a clean environment (no
+``HSX_`` variables but the case's own). Most fail before the engine starts and take a
+second or two; the engine-side case starts a real engine that cannot fit its cache.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    debug_log: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("hsx: error:")]
+
+
+def hsx_serve(cwd: Path, env: dict[str, str], timeout: float = 60) -> Run:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "service", "serve"],
+        cwd=cwd,
+        env={**clean, "HSX_SERVER__PORT": "0", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    log = cwd / "var/log/hsx-debug.log"
+    debug = log.read_text(errors="replace") if log.exists() else ""
+    return Run(proc.returncode, proc.stdout, proc.stderr, debug)
+
+
+def assert_one_line(run: Run, status: int, *expected: str) -> str:
+    """Exit ``status``, exactly one error line (the last), holding ``expected``; no
+    traceback on either console stream."""
+    assert run.returncode == status, run.stderr[-3000:]
+    assert len(run.error_lines) == 1, run.stderr[-3000:]
+    line = run.error_lines[0]
+    assert run.stderr.rstrip().splitlines()[-1] == line
+    for text in expected:
+        assert text in line
+    assert "Traceback" not in run.stderr
+    assert "Traceback" not in run.stdout
+    return line
+
+
+def bad_keys_file(tmp: Path) -> dict[str, str]:
+    keys = tmp / "keys.txt"
+    keys.write_text("# keys\nteam-a:a-long-enough-key-0123\nteam-b-without-a-colon\n")
+    return {"HSX_SERVER__API_KEYS_FILE": str(keys)}
+
+
+def a_file_as_storage_root(tmp: Path) -> dict[str, str]:
+    (tmp / "plain-file").write_text("not a directory")
+    return {"HSX_STORAGE__URL": str(tmp / "plain-file" / "objects")}
+
+
+# (id, environment from a temp dir, exit status, texts the line must hold)
+FAST_CASES: list[tuple[str, Callable[[Path], dict[str, str]], int, list[str]]] = [
+    (
+        "port out of range",
+        lambda _: {"HSX_SERVER__PORT": "70000"},
+        2,
+        ["server.port (HSX_SERVER__PORT)", "less than or equal to 65535", "'70000'"],
+    ),
+    (
+        "misspelled variable",
+        lambda _: {"HSX_ENGINE__MODLE": "x"},
+        2,
+        ["HSX_ENGINE__MODLE is not a setting", "did you mean HSX_ENGINE__MODEL?"],
+    ),
+    (
+        "list that is not JSON",
+        lambda _: {"HSX_ENGINE__LAYER_IDS": "[1,"},
+        2,
+        ["engine.layer_ids (HSX_ENGINE__LAYER_IDS)", "valid list"],
+    ),
+    (
+        "bad line in the key file",
+        bad_keys_file,
+        2,
+        ["server.api_keys_file (HSX_SERVER__API_KEYS_FILE)", "keys.txt:3", "namespace:key"],
+    ),
+    (
+        "missing key file",
+        lambda tmp: {"HSX_SERVER__API_KEYS_FILE": str(tmp / "nowhere.txt")},
+        2,
+        ["server.api_keys_file (HSX_SERVER__API_KEYS_FILE)", "No such file"],
+    ),
+    (
+        "short inline key",
+        lambda _: {"HSX_SERVER__API_KEYS": "team:short"},
+        2,
+        ["server.api_keys (HSX_SERVER__API_KEYS)", "shorter than 16"],
+    ),
+    (
+        "unknown storage scheme",
+        lambda _: {"HSX_STORAGE__URL": "ftp://host/objects"},
+        2,
+        ["storage.url (HSX_STORAGE__URL)", "'ftp' is not supported"],
+    ),
+    (
+        "storage root under a file",
+        a_file_as_storage_root,
+        2,
+        ["storage.url (HSX_STORAGE__URL)", "Not a directory"],
+    ),
+    (
+        "debug log cannot be written",
+        lambda tmp: {"HSX_SERVER__DEBUG_LOG": str(tmp / "plain-file" / "x.log")},
+        2,
+        ["server.debug_log (HSX_SERVER__DEBUG_LOG)", "cannot write"],
+    ),
+    (
+        "model not found",
+        lambda tmp: {"HSX_ENGINE__MODEL": str(tmp / "no-such-model")},
+        2,
+        ["engine.model (HSX_ENGINE__MODEL)", "no-such-model", "local model directory"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("make_env", "status", "expected"),
+    [case[1:] for case in FAST_CASES],
+    ids=[case[0] for case in FAST_CASES],
+)
+def test_bad_configuration_is_one_line(
+    tmp_path: Path,
+    make_env: Callable[[Path], dict[str, str]],
+    status: int,
+    expected: list[str],
+) -> None:
+    (tmp_path / "plain-file").write_text("not a directory")
+    assert_one_line(hsx_serve(tmp_path, make_env(tmp_path)), status, *expected)
+
+
+def test_layer_ids_the_model_lacks(tmp_path: Path, model_dir: Any) -> None:
+    env = {"HSX_ENGINE__MODEL": str(model_dir("llama")), "HSX_ENGINE__LAYER_IDS": "[2, 9]"}
+    line = assert_one_line(hsx_serve(tmp_path, env), 2, "engine.layer_ids", "[9]")
+    assert "ids 0..4 are allowed" in line
+
+
+def test_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        run = hsx_serve(tmp_path, {"HSX_SERVER__PORT": port})
+    assert_one_line(run, 1, "server.port (HSX_SERVER__PORT)", f"127.0.0.1:{port}", "in use")
+
+
+def test_unreachable_bucket(tmp_path: Path, s3_endpoint: str) -> None:
+    env = {
+        "HSX_STORAGE__URL": "s3://no-such-bucket/objects",
+        "HSX_STORAGE__S3__ENDPOINT_URL": s3_endpoint,
+        "HSX_STORAGE__S3__REGION": "us-east-1",
+        "HSX_STORAGE__S3__MAX_ATTEMPTS": "1",
+    }
+    run = hsx_serve(tmp_path, env)
+    assert_one_line(run, 1, "storage.url (HSX_STORAGE__URL)", "no-such-bucket", "credentials")
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_kv_cache_too_small_for_max_model_len(tmp_path: Path) -> None:
+    # The demo model at max_model_len 2048 needs about 7 MiB of cache; 5 MiB holds
+    # fewer tokens than one full sequence, which vLLM refuses once the model is loaded.
+    env = {"HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "0.005"}
+    run = hsx_serve(tmp_path, env, timeout=300)
+    line = assert_one_line(
+        run,
+        1,
+        "engine.cpu_kvcache_space_gib (HSX_ENGINE__CPU_KVCACHE_SPACE_GIB)",
+        "max_model_len 2048",
+        "HSX_ENGINE__MAX_MODEL_LEN=",
+    )
+    assert "cannot hold one sequence" in line
+    # The whole story is in the debug log, tracebacks of the engine's processes included.
+    assert "Traceback (most recent call last)" in run.debug_log
+    assert "To serve at least one request" in run.debug_log
+
+
+def vllm_kv_check_error(available: int, needed: int, fits: int) -> str:
+    """The message vLLM's own check raises (``_check_enough_kv_cache_memory``)."""
+    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+
+    with pytest.raises(ValueError, match="memory") as caught:
+        _check_enough_kv_cache_memory(available, lambda: needed, 4096, lambda _: fits)
+    return str(caught.value)
+
+
+def test_engine_messages_become_the_setting_to_change() -> None:
+    from service.startup import from_engine
+
+    gib = 1024**3
+    died = RuntimeError("Engine core initialization failed. See root cause above.")
+    message = vllm_kv_check_error(gib, 3 * gib, 1300)
+    log = f"ERROR ... EngineCore failed to start.\nValueError: {message}"
+    on_cpu = from_engine(died, log, on_cpu=True)
+    assert on_cpu.exit_code == 1
+    assert on_cpu.line == (
+        "hsx: error: engine.cpu_kvcache_space_gib (HSX_ENGINE__CPU_KVCACHE_SPACE_GIB): a KV "
+        "cache of 1.0 GiB cannot hold one sequence of max_model_len 4096 tokens (3.0 GiB "
+        "needed); raise HSX_ENGINE__CPU_KVCACHE_SPACE_GIB or HSX_ENGINE__MAX_MODEL_LEN=1300 "
+        "or less"
+    )
+    on_gpu = from_engine(died, log, on_cpu=False)
+    assert on_gpu.setting == "engine.gpu_memory_utilization"
+    nothing = from_engine(died, f"ValueError: {vllm_kv_check_error(0, gib, 0)}", True)
+    assert nothing.setting == "engine.cpu_kvcache_space_gib"
+    assert "too small for a single block" in nothing.line
+
+
+def test_an_unforeseen_engine_error_still_names_what_it_can() -> None:
+    from service.startup import from_engine
+
+    died = RuntimeError("Engine core initialization failed. See root cause above.")
+    log = "noise\npydantic_core.ValidationError: max_num_batched_tokens (8) is smaller than x\n"
+    error = from_engine(died, log, on_cpu=True)
+    assert error.setting == "engine.max_num_batched_tokens"
+    assert "ValidationError: max_num_batched_tokens (8) is smaller than x" in error.line
+    assert "\n" not in error.line
