@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks import api_bench, storage_bench, validation_bench
+from benchmarks import api_bench, codec_bench, storage_bench, validation_bench
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -48,6 +48,7 @@ def main() -> None:
         # both sides of the comparison.
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             rows += runner.run(api_bench.run(Path(scratch), timed))
+            rows += runner.run(codec_bench.run(Path(scratch), timed))
     lines = [
         "# Benchmarks",
         "",
@@ -63,7 +64,7 @@ def main() -> None:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    notes = storage_bench.NOTES + validation_bench.NOTES + api_bench.NOTES
+    notes = storage_bench.NOTES + validation_bench.NOTES + api_bench.NOTES + codec_bench.NOTES
     DOC.write_text(text + "\n" + notes)
 
 

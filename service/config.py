@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.codecs import Codec
+
 MIB = 1024 * 1024
 # S3 refuses parts below 5 MiB (except the last) and more than 10,000 parts.
 S3_MIN_PART_SIZE = 5 * MIB
@@ -233,6 +235,12 @@ class StorageSettings(BaseModel):
     )
     io_threads: int = Field(
         8, ge=1, le=256, description="Threads that run blocking storage calls off the loop."
+    )
+    codec: Codec = Field(
+        "raw",
+        description="How objects store their states unless a request says otherwise: "
+        "`raw` (model dtype), `fp8` (float8 plus per-row scales, hs-connectors' layout), "
+        "`bf16` (float32 models only) or `lossless` (zstd exponent plane, bit-exact).",
     )
     local: LocalStorageSettings = Field(default_factory=LocalStorageSettings)
     s3: S3StorageSettings = Field(default_factory=S3StorageSettings)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from service.api.schemas import ExtractRequest
 from service.api.state import ApiState
+from service.codecs import codec_of, stored_shape
 from service.engine.errors import IdempotencyConflictError, StorageWriteError
 from service.engine.wire import Extraction
 from service.storage import NotFoundError, Storage
@@ -54,6 +55,9 @@ async def extract_once(
         options={
             "loss": body.loss,
             "output_tokens": body.max_tokens if body.include_output_tokens else 0,
+            # Only when asked for: keys of raw, all-layer objects stay what they were.
+            **({"codec": body.codec} if body.codec not in (None, "raw") else {}),
+            **({"layers": body.layers} if body.layers is not None else {}),
         },
     )
     check = _Check(state.storage, key, custom_id, token_ids, body.include_output_tokens)
@@ -115,13 +119,16 @@ class _Check:
                 f"{prompt}; it was not overwritten"
             )
         mask = _tensor(data, header, tensors, "loss_mask", "<B") if "loss_mask" in tensors else None
+        meta = tensors.get("__metadata__") or {}
         return Found(
             key=self.key,
             uri=self.storage.uri(self.key),
             size=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
             num_tokens=len(stored),
-            shape=tuple(tensors["hidden_states"]["shape"]),
+            shape=stored_shape(tensors),
+            codec=codec_of(meta),
+            layer_ids=tuple(json.loads(meta.get("layer_ids", "[]"))),
             prompt_tokens=prompt,
             output_token_ids=tuple(stored[prompt:]),
             num_loss_tokens=sum(mask) if mask is not None else None,

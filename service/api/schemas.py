@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from service.codecs import Codec
 from service.engine.objects import RESERVED_KEYS
 from service.masks import LossMode
 
@@ -76,6 +77,7 @@ class ExtractRequest(BaseModel):
                     "include_output_tokens": True,
                     "metadata": {"dataset": "sharegpt", "split": "train"},
                 },
+                {"prompts": ["Store these states small"], "codec": "fp8"},
             ]
         },
     )
@@ -95,6 +97,19 @@ class ExtractRequest(BaseModel):
     loss: LossMode = Field(
         "none",
         description="Store a loss_mask: assistant turns, the last turn, all tokens, or none.",
+    )
+    codec: Codec | None = Field(
+        None,
+        description="How the objects store their states: `raw` (model dtype), `fp8` "
+        "(float8 plus a float32 scale per token and layer, read by hs-connectors' "
+        "FP8Transfer), `bf16` (float32 models only), `lossless` (bit-exact, zstd "
+        "exponent plane). Default: the server's; `GET /v1/models` lists those offered.",
+    )
+    layers: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="Store only these layer ids: a subset of the served `layer_ids`, "
+        "in their order. Default: all.",
     )
 
     @model_validator(mode="after")
@@ -123,12 +138,13 @@ class StoredObject(BaseModel):
     uri: str
     num_tokens: int
     shape: list[int] = Field(description="[num_tokens, num_layers, hidden_size]")
-    bytes: int
+    bytes: int = Field(description="Stored size: the encoded object's bytes.")
     sha256: str
     num_loss_tokens: int | None = Field(None, description="Supervised tokens (with loss).")
     status: Literal["created", "found"] = Field(
         "created", description="found: a prompt with this custom_id was stored before."
     )
+    codec: str = Field("raw", description="How the object stores its states.")
 
 
 class Usage(BaseModel):
@@ -157,8 +173,10 @@ class ExtractResponse(BaseModel):
                             "shape": [6, 3, 128],
                             "bytes": 9392,
                             "sha256": "9b7c...",
+                            "codec": "raw",
                         }
                     ],
+                    "codecs": ["raw", "fp8", "bf16", "lossless"],
                     "usage": {"prompt_tokens": 6, "total_tokens": 7},
                 }
             ]
@@ -167,10 +185,11 @@ class ExtractResponse(BaseModel):
 
     id: str
     model: str
-    layer_ids: list[int]
+    layer_ids: list[int] = Field(description="The layer ids the objects hold.")
     dtype: str
     hidden_size: int
     objects: list[StoredObject]
+    codecs: list[str] = Field(description="The codecs this server offers.")
     usage: Usage
 
 
@@ -209,6 +228,8 @@ class ModelCard(BaseModel):
     dtype: str
     max_model_len: int
     storage_backend: str
+    codecs: list[str] = Field(description="Codecs a request may ask for (`codec`).")
+    default_codec: str = Field(description="The codec of requests that name none.")
 
 
 class ModelList(BaseModel):

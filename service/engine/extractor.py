@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service import codecs
 from service.config import Settings
 from service.engine.builder import ModelInfo, engine_args, read_model_info, resolve_layer_ids
 from service.engine.completion import CompletionReceiver
@@ -56,6 +57,8 @@ class Extractor:
         self._receiver.on_orphan = self._remove_orphan
         self.dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
         self.max_model_len = int(engine.vllm_config.model_config.max_model_len)
+        #: The codecs this server offers (service.codecs).
+        self.codecs = codecs.offered(self.dtype)
 
     @property
     def storage(self) -> Storage:
@@ -105,7 +108,30 @@ class Extractor:
             scratch.cleanup()
             raise
         storage = open_storage(settings.storage, metrics.storage, factory=storage_factory)
-        return cls(settings, engine, receiver, storage, metrics, info, layer_ids, scratch)
+        extractor = cls(settings, engine, receiver, storage, metrics, info, layer_ids, scratch)
+        try:  # the served dtype is known only now ("auto")
+            codecs.check_codec(settings.storage.codec, extractor.dtype)
+        except ValueError as exc:
+            await extractor.close()
+            raise ValueError(f"storage.codec: {exc}") from None
+        return extractor
+
+    def check_codec(self, codec: str | None) -> codecs.Codec:
+        """The codec a request gets (``storage.codec`` when None); ValueError naming the
+        codecs offered otherwise."""
+        return codecs.check_codec(codec or self.settings.storage.codec, self.dtype)
+
+    def check_layers(self, layers: Sequence[int] | None) -> None:
+        """ValueError unless ``layers`` is None or a subset of the served layer ids, in
+        their order (objects keep the server's layer order)."""
+        if layers is None:
+            return
+        wanted = list(layers)
+        if not wanted or wanted != [i for i in self.layer_ids if i in wanted]:
+            raise ValueError(
+                f"{wanted} is not a non-empty subset of the served layer ids "
+                f"{self.layer_ids} in that order"
+            )
 
     async def extract(
         self,
@@ -117,23 +143,32 @@ class Extractor:
         metadata: Mapping[str, str] | None = None,
         loss_spans: Sequence[tuple[int, int]] | None = None,
         key: str | None = None,
+        codec: str | None = None,
+        layers: Sequence[int] | None = None,
     ) -> Extraction:
         """Run one prompt; return its object once durable.
 
         ``loss_spans`` (supervised ``[start, end)`` ranges of the prompt) stores a
         ``loss_mask``; ``key`` replaces the random key (a server-made deterministic one,
-        ``service.storage.keys.idempotent_key``).
-        Raises InvalidPromptError, StorageWriteError, InvalidStatesError,
+        ``service.storage.keys.idempotent_key``); ``codec`` (``service.codecs``; default
+        ``storage.codec``) says how the object stores its states, ``layers`` which of the
+        served layer ids it holds (default all).
+        Raises ValueError for a codec or layers not served (before the engine sees
+        anything), InvalidPromptError, StorageWriteError, InvalidStatesError,
         EngineUnavailableError (all ExtractionError, see ``service.engine.errors``). If
         the caller is cancelled, the engine request is aborted and no object remains
         (except under an idempotent key: see ``_remove_orphan``).
         """
+        chosen = self.check_codec(codec)
+        self.check_layers(layers)
         key = key or new_object_key(self.settings.storage.key_prefix, namespace)
         params = RequestParams(
             key=key,
             include_output_tokens=include_output_tokens,
             metadata=dict(metadata or {}),
             loss_spans=None if loss_spans is None else tuple(loss_spans),
+            codec=chosen,
+            layers=None if layers is None else tuple(layers),
         )
         waiter = self._receiver.expect(key)
         try:
@@ -142,7 +177,8 @@ class Extractor:
         except BaseException:
             self._receiver.abandon(key, waiter)
             raise
-        return _extraction(completion, output)
+        stored = tuple(self.layer_ids if layers is None else layers)
+        return _extraction(completion, output, chosen, stored)
 
     async def _generate(self, params: RequestParams, prompt: list[int], max_tokens: int) -> Any:
         from vllm import SamplingParams
@@ -210,7 +246,9 @@ def _release_vllm_resources(engine: Any) -> None:
             process.close()
 
 
-def _extraction(completion: Completion, output: Any) -> Extraction:
+def _extraction(
+    completion: Completion, output: Any, codec: str, layer_ids: tuple[int, ...]
+) -> Extraction:
     """The prompt's result, or its failure raised as the matching ExtractionError."""
     failure = completion.failure
     if failure is not None:
@@ -224,4 +262,6 @@ def _extraction(completion: Completion, output: Any) -> Extraction:
         **completion.stored.model_dump(),
         prompt_tokens=len(output.prompt_token_ids or ()),
         output_token_ids=tuple(output.outputs[0].token_ids) if output.outputs else (),
+        codec=codec,
+        layer_ids=layer_ids,
     )

@@ -4,7 +4,8 @@ Tensors ``hidden_states`` [num_tokens, num_layers, hidden_size] (model dtype) an
 ``token_ids`` int64 [num_tokens], the names and layout of vLLM's example connector, so
 existing loaders (speculators) read our files; ``loss_mask`` uint8 [num_tokens] (aligned
 with ``token_ids``, unshifted) when the request asked for one. ``__metadata__`` holds
-strings only.
+strings only. Other codecs (``service.codecs``) change how the states are stored;
+``hsx.codec`` in the metadata says which one, and ``service.codecs.decode`` reads any.
 """
 
 from __future__ import annotations
@@ -13,9 +14,23 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from service import codecs
+from service.codecs import CODEC_KEY, CODEC_VERSION_KEY, DECODED_FROM_KEY, Codec
+
 FORMAT_VERSION = "1"
 # Metadata keys we own; a caller's metadata may not override them.
-RESERVED_KEYS = frozenset({"format", "format_version", "model", "layer_ids", "dtype"})
+RESERVED_KEYS = frozenset(
+    {
+        "format",
+        "format_version",
+        "model",
+        "layer_ids",
+        "dtype",
+        CODEC_KEY,
+        CODEC_VERSION_KEY,
+        DECODED_FROM_KEY,
+    }
+)
 
 
 def object_metadata(
@@ -36,16 +51,20 @@ def object_metadata(
 
 
 def serialize(
-    hidden_states: Any, token_ids: Any, metadata: Mapping[str, str], loss_mask: Any = None
+    codec: Codec,
+    hidden_states: Any,
+    token_ids: Any,
+    metadata: Mapping[str, str],
+    prepared: Mapping[str, Any] | None = None,
+    loss_mask: Any = None,
 ) -> bytes:
-    """safetensors bytes of one object (tensors must be on the CPU)."""
-    import torch
-    from safetensors.torch import save
+    """safetensors bytes of one object (tensors must be on the CPU).
 
-    tensors = {
-        "hidden_states": hidden_states.contiguous(),
-        "token_ids": token_ids.to(torch.int64).contiguous(),
-    }
-    if loss_mask is not None:
-        tensors["loss_mask"] = loss_mask.to(torch.uint8).contiguous()
-    return bytes(save(tensors, metadata=dict(metadata)))
+    ``prepared``: the codec's first stage already ran on the device (CUDA), these are
+    its tensors; otherwise it runs here, on ``hidden_states``.
+    """
+    import torch
+
+    tensors = prepared if prepared is not None else codecs.prepare(codec, hidden_states)
+    extra = {} if loss_mask is None else {"loss_mask": loss_mask.to(torch.uint8)}
+    return codecs.pack(codec, tensors, token_ids, metadata, extra)

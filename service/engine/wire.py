@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.codecs import Codec
 from service.config import StorageSettings
 from service.masks import Span
 from service.storage.base import StorageOp
@@ -75,6 +76,10 @@ class RequestParams(_Message):
     loss_spans: tuple[Span, ...] | None = None
     """Supervised ``[start, end)`` ranges of the prompt's tokens: the object gets a
     ``loss_mask`` (generated tokens with states are supervised too). None: no mask."""
+    codec: Codec = "raw"
+    """How the object stores its states (``service.codecs``)."""
+    layers: tuple[int, ...] | None = None
+    """The served layer ids to store, in the server's order; None: all."""
 
     @field_validator("key")
     @classmethod
@@ -171,3 +176,7 @@ class Extraction(StoredObject):
     """Tokens of the prompt the engine ran."""
     output_token_ids: tuple[int, ...] = ()
     """Tokens the engine generated (greedy)."""
+    codec: str = "raw"
+    """How the object stores its states (``service.codecs``)."""
+    layer_ids: tuple[int, ...] = ()
+    """The layer ids the object holds."""

@@ -4,7 +4,8 @@ It runs one asyncio loop on its own thread (the storage interface is async; vLLM
 is not), bounds concurrent writes, and accounts for the bytes copied out of the KV cache
 but not yet durable. The connector reserves bytes before each copy-out; past the ceiling
 it keeps the request's blocks held instead, so memory stays bounded and the scheduler
-slows down when storage is slow.
+slows down when storage is slow. Objects are encoded (``service.codecs``) here, off the
+forward pass; once encoded, an object counts at its encoded size.
 
 Every object ends in exactly one :class:`~service.engine.wire.Completion` to the API
 process. Each one also carries the storage calls made since the previous one (the
@@ -21,10 +22,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from service import codecs
+from service.codecs import Codec
 from service.config import StorageSettings
 from service.engine.completion import CompletionSender
 from service.engine.errors import InvalidStatesError
@@ -49,6 +52,10 @@ class WriteJob:
     #: Blocks until the states are on the host; returns the copy's duration in seconds.
     wait_copied: Callable[[], float] = field(default=lambda: 0.0)
     release: Callable[[], None] = field(default=lambda: None)  # e.g. return a pinned buffer
+    codec: Codec = "raw"
+    #: The codec's device stage already ran (CUDA): its host tensors. ``hidden_states``
+    #: is then their ``hidden_states`` (same shape; fp8 or bf16 values).
+    prepared: dict[str, Any] | None = None
 
 
 class OpBuffer:
@@ -87,6 +94,11 @@ class WriterPool:
         self._peak = 0
         self._ops = OpBuffer()
         self._loop = asyncio.new_event_loop()
+        # Encoding runs torch ops in these threads: one intra-op thread each, or every
+        # writer spins up its own OpenMP team against the forward pass's cores.
+        self._loop.set_default_executor(
+            ThreadPoolExecutor(max_concurrent_writes, "hsx-encode", _one_torch_thread)
+        )
         self._thread = threading.Thread(target=self._loop.run_forever, name="hsx-writer")
         self._thread.daemon = True
         self._thread.start()
@@ -115,6 +127,13 @@ class WriterPool:
             self._peak = max(self._peak, self._in_flight)
             return True
 
+    def _shrink(self, job: WriteJob, encoded: int) -> None:
+        """Count ``job`` at its encoded size from now on (the host copy is released)."""
+        with self._lock:
+            if encoded < job.nbytes:
+                self._in_flight -= job.nbytes - encoded
+                job.nbytes = encoded
+
     def submit(self, job: WriteJob) -> None:
         """Queue ``job`` (its bytes reserved); its completion goes to the sender."""
         future = asyncio.run_coroutine_threadsafe(self._write(job), self._loop)
@@ -133,6 +152,9 @@ class WriterPool:
             try:
                 copy_s = await asyncio.to_thread(job.wait_copied)
                 data = await asyncio.to_thread(self._prepare, job)
+                shape = tuple(job.hidden_states.shape)
+                job.hidden_states = job.prepared = None  # encoded: the host copy can go
+                self._shrink(job, len(data))
                 ref = await self._storage.put(job.key, data)
                 stored = StoredObject(
                     key=job.key,
@@ -140,7 +162,7 @@ class WriterPool:
                     size=ref.size,
                     sha256=ref.sha256,
                     num_tokens=int(job.token_ids.shape[0]),
-                    shape=tuple(job.hidden_states.shape),
+                    shape=shape,
                     num_loss_tokens=_count(job.loss_mask),
                     copy_s=copy_s,
                     write_s=time.perf_counter() - start,
@@ -157,8 +179,13 @@ class WriterPool:
         from service.engine.validation import check_states
 
         layer_ids = json.loads(job.metadata.get("layer_ids", "null"))
-        check_states(job.hidden_states, layer_ids)
-        return serialize(job.hidden_states, job.token_ids, job.metadata, job.loss_mask)
+        if job.prepared is None:
+            check_states(job.hidden_states, layer_ids)
+        else:  # encoded on the GPU: check what a reader will get back
+            check_states(codecs.restore(job.codec, job.prepared), layer_ids)
+        return serialize(
+            job.codec, job.hidden_states, job.token_ids, job.metadata, job.prepared, job.loss_mask
+        )
 
     async def _complete(
         self,
@@ -209,3 +236,13 @@ def _failure(exc: Exception) -> WriteFailure:
     if isinstance(exc, StorageError):
         return WriteFailure(type="storage_error", message=message)
     return WriteFailure(type="internal_error", message=message)
+
+
+def _one_torch_thread() -> None:
+    """One intra-op thread for this thread. vLLM's CPU worker replaces the public
+    ``torch.set_num_threads`` with a no-op (it would undo its core binding); the binding
+    belongs to the forward pass's thread, and this call changes only the calling thread's
+    OpenMP team (and the default of threads started later)."""
+    import torch
+
+    torch._C.set_num_threads(1)

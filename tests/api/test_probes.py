@@ -44,6 +44,8 @@ def test_models_and_version(client: httpx.Client, local_engine: ServerThread) ->
         "dtype": "float32",
         "max_model_len": 512,
         "storage_backend": "file",
+        "codecs": ["raw", "fp8", "bf16", "lossless"],
+        "default_codec": "raw",
     }
     import vllm
 

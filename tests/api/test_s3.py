@@ -75,3 +75,22 @@ def test_hybrid_layout_matches_the_engine(s3_engine: ServerThread) -> None:
         if name == "hsx_kv_cache_group_info"
     )
     assert kinds == ["full_attention", "hidden_state", "mamba", "mamba"]
+
+
+def test_s3_lossless_object_decodes_over_http(s3_engine: ServerThread, s3_admin: Any) -> None:
+    """``?decode=true`` reads the object from S3 and answers it as a raw object."""
+    from service import codecs
+
+    url = s3_engine.serve()
+    prompt = random_prompts([70], seed=42)[0]
+    body = {"prompts": [{"token_ids": prompt}], "codec": "lossless"}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        obj = client.post("/extract", json=body, headers=AUTH_A).json()["objects"][0]
+        stored = s3_admin.get_object(Bucket=BUCKET, Key=f"runs/{obj['key']}")["Body"].read()
+        assert codecs.read_metadata(stored)["hsx.codec"] == "lossless"
+        decoded = client.get(f"/objects/{obj['key']}?decode=true", headers=AUTH_A)
+    assert decoded.status_code == 200
+    model = s3_engine.settings.engine.model
+    assert model is not None
+    layers = s3_engine.extractor.layer_ids
+    assert_object_matches(decoded.content, model, prompt, layers, as_extraction(obj))

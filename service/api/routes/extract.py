@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from service.api.codec_params import check_codec_params
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.idempotency import Found, extract_once
@@ -89,6 +90,7 @@ async def admit(
     try:
         check_request_limits(body, state.settings.limits)
         ensure_serving(state)
+        check_codec_params(state.extractor, body.codec, body.layers)
         token_ids: list[list[int]] = await prompt_token_ids(state, body, deadline)
         spans = await prompt_loss_spans(state, body, token_ids)
         if not state.admission.try_admit(len(token_ids)):
@@ -258,6 +260,8 @@ async def run_prompt(
         "include_output_tokens": body.include_output_tokens,
         "metadata": body.metadata,
         "loss_spans": spans,
+        "codec": body.codec,
+        "layers": body.layers,
     }
     custom_id = getattr(body.prompts[index], "custom_id", None)
     if custom_id is None:
@@ -310,7 +314,7 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
     return ExtractResponse(
         id=f"ext-{uuid.uuid4().hex}",
         model=state.model_name,
-        layer_ids=extractor.layer_ids,
+        layer_ids=list(outcomes[0].layer_ids) or extractor.layer_ids,
         dtype=extractor.dtype,
         hidden_size=extractor.info.hidden_size,
         objects=[
@@ -324,9 +328,11 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
                 sha256=o.sha256,
                 num_loss_tokens=o.num_loss_tokens,
                 status="found" if isinstance(o, Found) else "created",
+                codec=o.codec,
             )
             for i, o in enumerate(outcomes)
         ],
+        codecs=extractor.codecs,
         usage=Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens + generated),
     )
 

@@ -70,6 +70,8 @@ async def models(state: StateDep) -> ModelList:
         dtype=extractor.dtype,
         max_model_len=extractor.max_model_len,
         storage_backend=state.backend,
+        codecs=extractor.codecs,
+        default_codec=extractor.settings.storage.codec,
     )
     return ModelList(data=[card])
 

@@ -3,19 +3,23 @@
 A key outside the caller's namespace is a 404, exactly like a missing one, so nobody
 learns what other namespaces hold. Everything goes through the storage interface (its
 optional features have defaults), so every read is counted in ``hsx_storage_*``.
+``?decode=true`` answers any object as a ``raw`` one (model-dtype states), whatever
+codec stored it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody
 from service.api.state import ApiState
+from service.codecs import to_raw
 from service.storage import Storage
 from service.storage.base import NotFoundError
 from service.storage.keys import namespace_of
@@ -39,9 +43,18 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
     },
     response_class=Response,
 )
-async def get_object(key: str, state: StateDep, namespace: NamespaceDep) -> Response:
+async def get_object(
+    key: str,
+    state: StateDep,
+    namespace: NamespaceDep,
+    decode: bool = Query(
+        False, description="Answer a `raw` object (model-dtype states) for any codec."
+    ),
+) -> Response:
     """Stream an object (local disk) or redirect to a presigned URL (S3)."""
     storage = owned_storage(state, key, namespace)
+    if decode:
+        return await decoded(storage, key)
     url = storage.presigned_url(key)
     if url is not None:
         await ensure_exists(storage, key)
@@ -65,6 +78,19 @@ async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> R
     await ensure_exists(storage, key)
     await storage.delete(key)
     return Response(status_code=204)
+
+
+async def decoded(storage: Storage, key: str) -> Response:
+    """The object as a ``raw`` one, read whole and decoded off the event loop."""
+    try:
+        data = await storage.get(key)
+    except NotFoundError:
+        raise not_found(key) from None
+    try:
+        raw = await run_in_threadpool(to_raw, data)
+    except ValueError as exc:  # a codec this server does not know
+        raise ApiError(422, "invalid_request", f"decode: {exc}", field="decode") from None
+    return Response(raw, media_type=SAFETENSORS)
 
 
 def owned_storage(state: ApiState, key: str, namespace: str) -> Storage:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from service.codecs import Codec
+
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -27,6 +29,10 @@ class PendingSave:
     failure: str | None = None
     loss_spans: list[tuple[int, int]] | None = None
     """Supervised ``[start, end)`` ranges of ``token_ids``: write a ``loss_mask``."""
+    codec: Codec = "raw"
+    """How the object stores its states (``service.codecs``)."""
+    layer_index: list[int] | None = None
+    """Positions in the cache's layer dimension of the layers to store; None: all."""
 
 
 @dataclass

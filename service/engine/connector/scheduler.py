@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ class HsxConnectorScheduler:
 
     def __init__(self, group: int, model_name: str, layer_ids: Sequence[int], dtype: str) -> None:
         self._group = group
+        self._layer_ids = list(layer_ids)
         self._base_metadata = object_metadata(model_name, layer_ids, dtype)
         self._ready: list[PendingSave] = []
         self._held: set[str] = set()
@@ -71,7 +73,15 @@ class HsxConnectorScheduler:
         token_ids = list(request.all_token_ids)[:-1] if params.include_output_tokens else prompt
         base = self._base_metadata  # ours first; a caller's key never overrides ours
         metadata = {**base, **{k: v for k, v in params.metadata.items() if k not in base}}
+        if params.layers is not None:
+            metadata["layer_ids"] = json.dumps(list(params.layers))
         save = PendingSave(request.request_id, params.key, token_ids, blocks, metadata)
+        save.codec = params.codec
+        if params.layers is not None:
+            try:
+                save.layer_index = layer_positions(params.layers, self._layer_ids)
+            except ValueError as exc:  # a bug of ours: the Extractor checks layers first
+                save.failure = str(exc)
         if params.loss_spans is not None:
             try:
                 save.loss_spans = stored_loss_spans(params.loss_spans, len(prompt), len(token_ids))
@@ -100,3 +110,16 @@ def stored_loss_spans(
     if num_stored > num_prompt:
         result.append((num_prompt, num_stored))
     return result
+
+
+def layer_positions(layers: Sequence[int], served: Sequence[int]) -> list[int] | None:
+    """Positions of ``layers`` among the ``served`` layer ids (None: all of them).
+
+    Raises ValueError for an id that is not served.
+    """
+    if list(layers) == list(served):
+        return None
+    unknown = [i for i in layers if i not in served]
+    if unknown:
+        raise ValueError(f"layers {unknown} are not served (served: {list(served)})")
+    return [list(served).index(i) for i in layers]

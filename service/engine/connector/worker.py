@@ -3,7 +3,9 @@
 Only tensor-parallel rank 0 copies and writes; the other ranks only install the CPU
 Mamba fix. Copies run after the forward pass that finished the request, off its
 critical path on CUDA (a side stream into reused pinned buffers); a request's blocks go
-back to vLLM once its copy is complete.
+back to vLLM once its copy is complete. Only the request's layers are gathered, and on
+CUDA the codec's device stage (fp8 quantisation, bf16 cast) runs before the copy, so the
+copy and the pinned buffers shrink with it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from service import codecs
 from service.engine.completion import CompletionSender
 from service.engine.connector.common import HsxConnectorMetadata, PendingSave
 from service.engine.wire import ConnectorConfig, WriteFailure
@@ -103,15 +106,13 @@ class HsxConnectorWorker:
 
     def _start_queued(self) -> None:
         assert self._writer is not None
-        assert self._cache is not None
-        per_token = self._cache.shape[1] * self._cache.shape[3] * self._cache.element_size()
         while self._queue:
             save = self._queue[0]
             if save.failure is not None:
                 self._queue.popleft()
                 self._fail(save, 0, WriteFailure(type="internal_error", message=save.failure))
                 continue
-            nbytes = len(save.token_ids) * per_token
+            nbytes = self._host_bytes(save)
             if not self._writer.try_reserve(nbytes):
                 return  # over the ceiling: blocks stay held until writes drain
             self._queue.popleft()
@@ -123,6 +124,27 @@ class HsxConnectorWorker:
                 self._fail(save, nbytes, WriteFailure(type="internal_error", message=message))
                 continue
             self._writer.submit(job)
+
+    def _host_bytes(self, save: PendingSave) -> int:
+        """Host memory ``save``'s copy-out takes: what the in-flight ceiling counts.
+
+        On CUDA the codec's device stage runs before the copy, so fp8 and bf16 copies
+        are encoded-size; on the CPU the copy is the model-dtype states, and the writer
+        counts the object at its encoded size once encoded.
+        """
+        assert self._cache is not None
+        layers = self._cache.shape[1] if save.layer_index is None else len(save.layer_index)
+        shape = (len(save.token_ids), layers, self._cache.shape[3])
+        codec = save.codec if self._cache.is_cuda else "raw"
+        return codecs.prepared_nbytes(codec, shape, self._cache.dtype)
+
+    def _gather(self, blocks: Any, offsets: Any, index: Any) -> torch.Tensor:
+        """The states [tokens, layers, hidden] of these slots, as a new tensor."""
+        assert self._cache is not None
+        if index is None:
+            return self._cache[blocks, :, offsets]
+        # Only the requested layers are read: fewer bytes copied, not sliced after.
+        return self._cache[blocks[:, None], index[None, :], offsets[:, None]]
 
     def _fail(self, save: PendingSave, nbytes: int, failure: WriteFailure) -> None:
         assert self._writer is not None
@@ -139,24 +161,27 @@ class HsxConnectorWorker:
     def _copy_out(self, save: PendingSave, nbytes: int) -> WriteJob:
         assert self._cache is not None
         blocks, offsets = slot_indices(save.block_ids, self._block_size, len(save.token_ids))
+        index = None if save.layer_index is None else torch.tensor(save.layer_index)
         token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
         job = WriteJob(save.key, None, token_ids, save.metadata, nbytes)
+        job.codec = save.codec
         if save.loss_spans is not None:
             job.loss_mask = loss_mask(save.loss_spans, len(save.token_ids))
         if self._cache.is_cuda:
-            self._copying[save.req_id] = self._copy_out_cuda(job, blocks, offsets)
+            self._copying[save.req_id] = self._copy_out_cuda(job, blocks, offsets, index)
             return job
         # Advanced indexing copies synchronously: the result shares nothing with the
         # cache, so the blocks can go back at once and the time measured is the copy's.
         start = time.perf_counter()
-        job.hidden_states = self._cache[blocks, :, offsets]
+        job.hidden_states = self._gather(blocks, offsets, index)
         copy_s = time.perf_counter() - start
         job.wait_copied = lambda: copy_s
         self._copied.add(save.req_id)
         return job
 
-    def _copy_out_cuda(self, job: WriteJob, blocks: Any, offsets: Any) -> Any:
-        """Gather on a side stream into a reused pinned buffer; returns the copy's event.
+    def _copy_out_cuda(self, job: WriteJob, blocks: Any, offsets: Any, index: Any) -> Any:
+        """Gather and run the codec's device stage on a side stream, then copy into
+        reused pinned buffers; returns the copy's event.
 
         The forward pass is not blocked: the writer thread waits on the event (and reads
         the copy's own duration from the timing events: the launch returns at once), and
@@ -168,22 +193,32 @@ class HsxConnectorWorker:
         ready = torch.cuda.Event()
         ready.record()  # after the forward pass that wrote the states
         self._copy_stream.wait_event(ready)
-        shape = (len(blocks), self._cache.shape[1], self._cache.shape[3])
-        buffer, host = self._pinned.take(shape, self._cache.dtype)
+        buffers, hosts = [], {}
         started = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._copy_stream):
             # Recorded on the side stream after its wait: times the gather and the copy.
             started.record(self._copy_stream)
             device = self._cache.device
-            gathered = self._cache[
-                blocks.to(device, non_blocking=True), :, offsets.to(device, non_blocking=True)
-            ]
-            host.copy_(gathered, non_blocking=True)
+            gathered = self._gather(
+                blocks.to(device, non_blocking=True),
+                offsets.to(device, non_blocking=True),
+                None if index is None else index.to(device, non_blocking=True),
+            )
+            for name, tensor in codecs.prepare(job.codec, gathered).items():
+                buffer, host = self._pinned.take(tuple(tensor.shape), tensor.dtype)
+                host.copy_(tensor, non_blocking=True)
+                buffers.append(buffer)
+                hosts[name] = host
             done.record(self._copy_stream)
-        job.hidden_states = host
+        job.hidden_states, job.prepared = hosts["hidden_states"], hosts
         job.wait_copied = _cuda_wait(started, done)
-        job.release = lambda: self._pinned.give(buffer)
+
+        def release() -> None:
+            for buffer in buffers:
+                self._pinned.give(buffer)
+
+        job.release = release
         return done
 
     def shutdown(self) -> None:

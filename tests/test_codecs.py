@@ -1,0 +1,301 @@
+"""The object codecs without an engine: round trips, exactness, fp8 error bounds, readers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from service import codecs
+from tests.engine.faulty import FaultyStorage
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def states(tokens: int = 37, layers: int = 3, hidden: int = 128, seed: int = 0) -> torch.Tensor:
+    """float32 states with a different scale per layer, as a residual stream grows."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.05, 1.0, 30.0][:layers] + [3.0] * max(0, layers - 3))
+    return torch.randn(tokens, layers, hidden, generator=gen) * scale[None, :, None]
+
+
+def ids(tokens: int) -> torch.Tensor:
+    return torch.arange(tokens, dtype=torch.int64) * 7 + 3
+
+
+def row_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relative error and cosine similarity per (token, layer), in float32."""
+    got, want = got.double(), want.double()  # float32 norms overflow on 1e30 outliers
+    relative = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    return relative, cosine
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_every_codec_round_trips_shape_dtype_ids_and_metadata(
+    codec: codecs.Codec, dtype: torch.dtype
+) -> None:
+    x = states().to(dtype)
+    data = codecs.encode(codec, x, ids(37), {"model": "m", "run": "r1"})
+    tensors, meta = codecs.decode(data)
+    assert tensors["hidden_states"].shape == (37, 3, 128)
+    assert tensors["hidden_states"].dtype == dtype
+    assert tensors["token_ids"].dtype == torch.int64
+    assert tensors["token_ids"].tolist() == ids(37).tolist()
+    assert meta["hsx.codec"] == codec
+    assert meta["hsx.codec_version"] == codecs.CODEC_VERSION
+    assert meta["dtype"] == codecs.dtype_name(dtype)
+    assert (meta["model"], meta["run"]) == ("m", "r1")
+
+
+def test_raw_is_the_example_connector_layout() -> None:
+    x = states()
+    tensors = load(codecs.encode("raw", x, ids(37)))
+    assert set(tensors) == {"hidden_states", "token_ids"}
+    assert torch.equal(tensors["hidden_states"], x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lossless_is_bit_identical_on_any_bit_pattern(dtype: torch.dtype) -> None:
+    """Random bits cover NaN payloads, infinities, subnormals and -0.0."""
+    info = torch.iinfo(BITS[dtype])
+    gen = torch.Generator().manual_seed(1)
+    bits = torch.randint(info.min, info.max, (29, 4, 96), generator=gen, dtype=BITS[dtype])
+    bits[0, 0, :4] = torch.tensor([0, info.min, 1, -1], dtype=BITS[dtype])  # 0, -0, tiny, NaN
+    x = bits.view(dtype)
+    tensors, _ = codecs.decode(codecs.encode("lossless", x, ids(29)))
+    assert torch.equal(tensors["hidden_states"].view(BITS[dtype]), bits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lossless_is_smaller_than_raw_on_activation_like_states(dtype: torch.dtype) -> None:
+    x = states(tokens=256).to(dtype)
+    raw, lossless = (len(codecs.encode(c, x, ids(256))) for c in ("raw", "lossless"))
+    tensors, _ = codecs.decode(codecs.encode("lossless", x, ids(256)))
+    assert torch.equal(tensors["hidden_states"].view(BITS[dtype]), x.view(BITS[dtype]))
+    # bfloat16's high byte is sign and exponent (3-4 bits of information on such
+    # states); float16's also holds 2 mantissa bits, float32's is a quarter of the value.
+    assert lossless < {torch.bfloat16: 0.75, torch.float32: 0.9, torch.float16: 0.97}[dtype] * raw
+
+
+def test_lossless_is_a_plain_safetensors_file_of_uint8_planes() -> None:
+    x = states().to(torch.bfloat16)
+    tensors = load(codecs.encode("lossless", x, ids(37)))
+    assert set(tensors) == {codecs.EXPONENT_PLANE, codecs.REST_PLANES, "token_ids"}
+    assert tensors[codecs.REST_PLANES].dtype == torch.uint8
+    assert tensors[codecs.REST_PLANES].shape == (1, 37, 3, 128)
+    # bfloat16's low byte is its rest plane, stored raw.
+    low = x.view(torch.int16).bitwise_and(0xFF).to(torch.uint8)
+    assert torch.equal(tensors[codecs.REST_PLANES][0], low)
+
+
+def test_lossless_refuses_dtypes_it_cannot_split() -> None:
+    with pytest.raises(ValueError, match="lossless stores"):
+        codecs.encode("lossless", torch.zeros(2, 1, 4, dtype=torch.float64), ids(2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_error_per_token_and_layer_is_within_bounds(dtype: torch.dtype) -> None:
+    reference = states(tokens=512, seed=2)
+    x = reference.to(dtype)
+    tensors, _ = codecs.decode(codecs.encode("fp8", x, ids(512)))
+    relative, cosine = row_errors(tensors["hidden_states"], reference)
+    # The model dtype's own rounding is part of the error: measured against float32.
+    assert relative.max() <= 0.03, relative.max()
+    assert cosine.min() >= 0.999, cosine.min()
+
+
+@pytest.mark.parametrize("outlier", [500.0, 1e5, 1e30, -3e38])
+def test_fp8_outliers_beyond_float8_range_give_no_nan_or_inf(outlier: float) -> None:
+    x = states(tokens=64, seed=3)
+    x[5, 1, 7] = outlier  # a massive activation in one row
+    x[9, :, :3] = outlier  # in every layer of another token
+    x[11, 2] = 0.0  # an all-zero row
+    stored = load(codecs.encode("fp8", x, ids(64)))
+    assert stored["hidden_states"].dtype == torch.float8_e4m3fn
+    assert torch.isfinite(stored["hidden_states"].float()).all()
+    assert torch.isfinite(stored[codecs.SCALES]).all()
+    tensors, _ = codecs.decode(codecs.encode("fp8", x, ids(64)))
+    got = tensors["hidden_states"]
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[11, 2], torch.zeros(128))
+    assert got[5, 1, 7] == pytest.approx(outlier, rel=0.03)
+    nonzero = x.norm(dim=-1) > 0
+    relative, cosine = row_errors(got, x)
+    assert relative[nonzero].max() <= 0.03
+    assert cosine[nonzero].min() >= 0.999
+
+
+def test_fp8_layout_is_hs_connectors() -> None:
+    """float8_e4m3fn values, float32 scales [T, L, 1] that broadcast against them."""
+    x = states(tokens=10)
+    tensors = load(codecs.encode("fp8", x, ids(10)))
+    values, scales = tensors["hidden_states"], tensors[codecs.SCALES]
+    assert values.dtype == torch.float8_e4m3fn
+    assert values.shape == (10, 3, 128)
+    assert scales.dtype == torch.float32
+    assert scales.shape == (10, 3, 1)
+    assert torch.equal(scales.to(torch.bfloat16).float(), scales)  # exact in bfloat16 too
+    assert (values.float().abs().amax(dim=-1) <= torch.finfo(torch.float8_e4m3fn).max).all()
+
+
+@pytest.mark.parametrize("dequantize_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_hs_connectors_fp8_transfer_reads_hsx_fp8_objects(
+    tmp_path: Path, dequantize_dtype: torch.dtype
+) -> None:
+    from hs_connectors import FP8Transfer
+
+    reference = states(tokens=200, seed=4)
+    (tmp_path / "hs_0.safetensors").write_bytes(
+        codecs.encode("fp8", reference.to(torch.bfloat16), ids(200), {"model": "m"})
+    )
+    sample = FP8Transfer(tmp_path, dequantize_dtype=dequantize_dtype).get_cached(0)
+    assert sample is not None
+    assert set(sample) == {"hidden_states", "token_ids"}
+    assert sample["hidden_states"].dtype == dequantize_dtype
+    assert sample["token_ids"].tolist() == ids(200).tolist()
+    relative, cosine = row_errors(sample["hidden_states"], reference)
+    assert relative.max() <= 0.03
+    assert cosine.min() >= 0.999
+
+
+def test_bf16_equals_the_float32_states_cast_to_bfloat16() -> None:
+    x = states()
+    stored = load(codecs.encode("bf16", x, ids(37)))["hidden_states"]
+    assert stored.dtype == torch.bfloat16
+    assert torch.equal(stored, x.to(torch.bfloat16))
+    tensors, meta = codecs.decode(codecs.encode("bf16", x, ids(37)))
+    assert meta["dtype"] == "float32"
+    assert torch.equal(tensors["hidden_states"], x.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_to_raw_gives_a_raw_object_of_the_decoded_states(codec: codecs.Codec) -> None:
+    x = states()
+    data = codecs.encode(codec, x, ids(37), {"model": "m", "layer_ids": "[1, 2, 4]"})
+    raw = codecs.to_raw(data)
+    tensors = load(raw)
+    assert set(tensors) == {"hidden_states", "token_ids"}
+    assert torch.equal(tensors["hidden_states"], codecs.decode(data)[0]["hidden_states"])
+    meta = codecs.read_metadata(raw)
+    assert meta["hsx.codec"] == "raw"
+    assert (meta["model"], meta["layer_ids"], meta["dtype"]) == ("m", "[1, 2, 4]", "float32")
+    if codec == "raw":
+        assert raw == data
+    else:
+        assert meta[codecs.DECODED_FROM_KEY] == codec
+
+
+def test_objects_from_before_codecs_decode_as_raw() -> None:
+    x = states()
+    old = save({"hidden_states": x, "token_ids": ids(37)}, metadata={"format_version": "1"})
+    tensors, meta = codecs.decode(old)
+    assert codecs.codec_of(meta) == "raw"
+    assert torch.equal(tensors["hidden_states"], x)
+    assert codecs.to_raw(old) == old
+
+
+def test_unknown_codec_or_version_is_refused_by_name() -> None:
+    meta = {"hsx.codec": "zfp", "dtype": "float32"}
+    data = save({"hidden_states": states(), "token_ids": ids(37)}, metadata=meta)
+    with pytest.raises(ValueError, match="unknown codec 'zfp'"):
+        codecs.decode(data)
+    meta = {"hsx.codec": "fp8", "hsx.codec_version": "9", "dtype": "float32"}
+    data = save({"hidden_states": states(), "token_ids": ids(37)}, metadata=meta)
+    with pytest.raises(ValueError, match="codec version 9"):
+        codecs.decode(data)
+    with pytest.raises(ValueError, match="choose one of raw, fp8, bf16, lossless"):
+        codecs.prepare("zfp", states())  # type: ignore[arg-type]
+
+
+def test_offered_codecs_depend_on_the_model_dtype() -> None:
+    assert codecs.offered("float32") == ["raw", "fp8", "bf16", "lossless"]
+    assert codecs.offered("bfloat16") == ["raw", "fp8", "lossless"]
+    assert codecs.check_codec("fp8", "bfloat16") == "fp8"
+    with pytest.raises(ValueError, match="choose one of raw, fp8, lossless"):
+        codecs.check_codec("bf16", "bfloat16")
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_prepared_nbytes_is_what_prepare_hands_over(codec: codecs.Codec) -> None:
+    x = states()
+    prepared = codecs.prepare(codec, x)
+    actual = sum(t.numel() * t.element_size() for t in prepared.values())
+    assert codecs.prepared_nbytes(codec, (37, 3, 128), torch.float32) == actual
+
+
+class StalledStorage(FaultyStorage):
+    """Real local storage whose puts wait for ``GATE``: a store that has stalled."""
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> Any:
+        await asyncio.to_thread(GATE.wait, 60)
+        return await self.inner.put(key, data)
+
+
+GATE = threading.Event()
+
+
+def open_stalled_storage(settings: Any) -> StalledStorage:
+    from service.storage import open_backend
+
+    return StalledStorage(open_backend(settings), 0.0)
+
+
+async def test_writer_counts_an_object_at_its_encoded_size(tmp_path: Path) -> None:
+    """Copied out at the model dtype's size; once encoded, only the encoded bytes count."""
+    from service.config import StorageSettings
+    from service.engine.completion import CompletionReceiver, CompletionSender
+    from service.engine.writer import WriteJob, WriterPool
+    from service.storage.keys import new_object_key
+
+    GATE.clear()
+    receiver = CompletionReceiver(f"ipc://{tmp_path / 'completions.sock'}")
+    receiver.start()
+    pool = WriterPool(
+        StorageSettings(url=str(tmp_path / "objects")),
+        CompletionSender(receiver.address),
+        max_bytes_in_flight=1 << 30,
+        max_concurrent_writes=2,
+        storage_factory="tests.test_codecs:open_stalled_storage",
+    )
+    x = states(tokens=300)
+    copied = x.numel() * x.element_size()
+    key = new_object_key("hsx", "default")
+    done = receiver.expect(key)
+    assert pool.try_reserve(copied)
+    assert pool.bytes_in_flight == copied
+    meta = {"model": "m", "dtype": "float32", "layer_ids": "[1, 2, 4]"}
+    pool.submit(WriteJob(key, x, ids(300), meta, copied, codec="fp8"))
+    while pool.bytes_in_flight == copied:  # the writer thread encodes
+        await asyncio.sleep(0.01)
+    encoded = pool.bytes_in_flight
+    GATE.set()
+    completion = await asyncio.wait_for(done, 60)
+    assert completion.stored is not None, completion.failure
+    assert completion.stored.size == encoded == (tmp_path / "objects" / key).stat().st_size
+    assert encoded < 0.3 * copied  # a quarter of float32, plus scales and the header
+    assert completion.bytes_in_flight == pool.bytes_in_flight == 0
+    pool.close()
+    await receiver.close()
+
+
+def test_server_default_codec_is_a_setting_refusing_unknown_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    assert Settings().storage.codec == "raw"
+    monkeypatch.setenv("HSX_STORAGE__CODEC", "lossless")
+    assert Settings().storage.codec == "lossless"
+    monkeypatch.setenv("HSX_STORAGE__CODEC", "zfp")
+    with pytest.raises(ValidationError, match=r"storage\.codec"):
+        Settings()
