@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
@@ -88,6 +88,18 @@ def check_codec(codec: str, model_dtype: str) -> Codec:
 # ==============================
 # Encoding
 # ==============================
+
+
+def check_layers(layers: Sequence[int] | None, served: Sequence[int]) -> None:
+    """ValueError unless ``layers`` is None or a non-empty subset of ``served`` in that
+    order (objects keep the server's layer order)."""
+    if layers is None:
+        return
+    wanted, order = list(layers), list(served)
+    if not wanted or wanted != [i for i in order if i in wanted]:
+        raise ValueError(
+            f"{wanted} is not a non-empty subset of the served layer ids {order} in that order"
+        )
 
 
 def prepare(codec: Codec, states: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -59,6 +59,15 @@ class ExtractorLike(Protocol):
     def dtype(self) -> str: ...
     @property
     def max_model_len(self) -> int: ...
+    @property
+    def codecs(self) -> Sequence[str]:
+        """The codecs this server offers for its dtype (``service.codecs.offered``)."""
+
+    def check_codec(self, codec: str | None) -> Any:
+        """The codec a request gets; ValueError naming the codecs offered otherwise."""
+
+    def check_layers(self, layers: Sequence[int] | None) -> None:
+        """ValueError unless ``layers`` is None or a subset of the served layer ids."""
 
     @property
     def tokenizer(self) -> Any:
@@ -86,6 +95,8 @@ class ExtractorLike(Protocol):
         metadata: Mapping[str, str] | None = None,
         loss_spans: Sequence[tuple[int, int]] | None = None,
         key: str | None = None,
+        codec: str | None = None,
+        layers: Sequence[int] | None = None,
     ) -> ExtractionLike:
         """One prompt's object, once durable; cancelling leaves no object behind."""
 

@@ -124,14 +124,7 @@ class Extractor:
     def check_layers(self, layers: Sequence[int] | None) -> None:
         """ValueError unless ``layers`` is None or a subset of the served layer ids, in
         their order (objects keep the server's layer order)."""
-        if layers is None:
-            return
-        wanted = list(layers)
-        if not wanted or wanted != [i for i in self.layer_ids if i in wanted]:
-            raise ValueError(
-                f"{wanted} is not a non-empty subset of the served layer ids "
-                f"{self.layer_ids} in that order"
-            )
+        codecs.check_layers(layers, self.layer_ids)
 
     async def extract(
         self,

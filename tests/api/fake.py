@@ -20,6 +20,7 @@ import numpy as np
 from fastapi import FastAPI
 from safetensors.numpy import save
 
+from service import codecs
 from service.api.app import create_app
 from service.api.auth import ApiKeys
 from service.config import Settings
@@ -63,6 +64,18 @@ class FakeExtractor:
     #: Keys of every object written so far (some may have been removed since).
     written: list[str] = field(default_factory=list)
     closed: bool = False
+    #: The server default codec (``storage.codec``).
+    default_codec: str = "raw"
+
+    @property
+    def codecs(self) -> list[str]:
+        return list(codecs.offered(self.dtype))
+
+    def check_codec(self, codec: str | None) -> str:
+        return codecs.check_codec(codec or self.default_codec, self.dtype)
+
+    def check_layers(self, layers: Sequence[int] | None) -> None:
+        codecs.check_layers(layers, self.layer_ids)
 
     async def extract(
         self,
@@ -74,6 +87,8 @@ class FakeExtractor:
         metadata: Mapping[str, str] | None = None,
         loss_spans: Sequence[tuple[int, int]] | None = None,
         key: str | None = None,
+        codec: str | None = None,
+        layers: Sequence[int] | None = None,
     ) -> Extraction:
         self.submitted += 1
         ids = list(prompt_token_ids)

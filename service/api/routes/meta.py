@@ -71,7 +71,7 @@ async def models(state: StateDep) -> ModelList:
         max_model_len=extractor.max_model_len,
         storage_backend=state.backend,
         codecs=extractor.codecs,
-        default_codec=extractor.settings.storage.codec,
+        default_codec=state.settings.storage.codec,
     )
     return ModelList(data=[card])
 
