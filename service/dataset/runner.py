@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,7 @@ class Recorder:
         self.manifest: list[str] = []
         self.errors: list[str] = []
         self.lock = threading.Lock()
+        self.flushed = time.monotonic()
 
     def add(self, record: Record, attempts: int = 0) -> None:
         self.records[record.row] = record
@@ -83,7 +85,11 @@ class Recorder:
             self.errors.append(error_line(record, attempts))
         _count(self.counters, record)
 
-    def flush(self) -> None:
+    def flush(self, force: bool = True) -> None:
+        """Write the buffered lines (unless the store's interval has not passed)."""
+        if not force and time.monotonic() - self.flushed < self.store.flush_interval_s:
+            return
+        self.flushed = time.monotonic()
         with self.lock:  # a cancelled to_thread keeps running: never two flushes at once
             manifest, self.manifest = self.manifest, []
             errors, self.errors = self.errors, []
@@ -308,7 +314,7 @@ class Run:
                 batch.append(self.queue.get_nowait())
             self.room.set()
             wait = await self.send(endpoint, batch)
-            await asyncio.to_thread(self.recorder.flush)
+            await asyncio.to_thread(self.recorder.flush, False)
             self.display.update()
             if wait:
                 await asyncio.sleep(wait)

@@ -19,6 +19,8 @@ class StateStore(Protocol):
     """The run's output location."""
 
     url: str
+    #: Seconds between flushes of a log (each S3 flush is a new object).
+    flush_interval_s: float
 
     def exists(self, name: str) -> bool:
         """Whether the document ``name`` exists."""
@@ -56,6 +58,7 @@ class LocalStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = str(root)
+        self.flush_interval_s = 0.0
 
     def exists(self, name: str) -> bool:
         return (self.root / name).is_file()
@@ -125,6 +128,7 @@ class S3Store:
         self.url = f"s3://{bucket}/{prefix}".rstrip("/")
         self.client = boto3.client("s3", endpoint_url=endpoint_url)
         self.session = f"{uuid.uuid4().hex[:12]}"
+        self.flush_interval_s = 2.0
         self.seq = 0
 
     def _key(self, name: str) -> str:
