@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORDS = (
+TEXT = (
     "the model reads hidden states from every layer and writes them to storage while "
     "a drafter learns to guess the next token quickly on a small budget"
-).split()
+)
+WORDS = TEXT.split()
 
 
 @dataclass
