@@ -129,9 +129,17 @@ def _guarded(work: Any) -> int:
     try:
         return int(work())
     except USER_ERRORS as exc:
-        message = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc)
+        if isinstance(exc, ValidationError):
+            message = "; ".join(_field_error(e) for e in exc.errors())
+        else:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"hsx dataset: error: {message}", file=sys.stderr)
         return 2
+
+
+def _field_error(error: Any) -> str:
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
 def _cmd_run(_settings: Any, args: argparse.Namespace) -> int:
