@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks import api_bench, storage_bench
+from benchmarks import api_bench, dataset_bench, storage_bench
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -47,6 +47,7 @@ def main() -> None:
         # both sides of the comparison.
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             rows += runner.run(api_bench.run(Path(scratch), timed))
+            rows += runner.run(dataset_bench.run(Path(scratch), timed))
     lines = [
         "# Benchmarks",
         "",
@@ -62,7 +63,7 @@ def main() -> None:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    DOC.write_text(text + "\n" + storage_bench.NOTES + api_bench.NOTES)
+    DOC.write_text(text + "\n" + storage_bench.NOTES + api_bench.NOTES + dataset_bench.NOTES)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

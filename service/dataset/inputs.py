@@ -180,6 +180,8 @@ def open_source(path: str | Path, id_column: str = "custom_id") -> Source:
 
     Raises :class:`InputError` with one clear sentence otherwise.
     """
+    if str(path).startswith("s3://"):
+        path = download(str(path))
     source = Source(Path(path))
     peeked = []
     try:
@@ -202,6 +204,36 @@ def open_source(path: str | Path, id_column: str = "custom_id") -> Source:
             f"expected one of {', '.join(PROMPT_COLUMNS)}"
         )
     return source
+
+
+def download(url: str, cache: Path | None = None) -> Path:
+    """A local copy of ``s3://bucket/key`` (a file) or ``s3://bucket/prefix/`` (a
+    ``save_to_disk`` directory); credentials and endpoint from the standard AWS chain
+    (``AWS_ENDPOINT_URL_S3`` for S3-compatible stores)."""
+    import tempfile
+
+    import boto3
+
+    bucket, _, key = url[5:].partition("/")
+    client = boto3.client("s3")
+    root = cache or Path(tempfile.mkdtemp(prefix="hsx-dataset-input-"))
+    name = key.rstrip("/").rsplit("/", 1)[-1] or "input"
+    try:
+        if not key.endswith("/") and Path(key).suffix:
+            client.download_file(bucket, key, str(root / name))
+            return root / name
+        prefix = key.rstrip("/") + "/"
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+        for one in keys:
+            target = root / name / one[len(prefix) :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, one, str(target))
+    except Exception as exc:  # botocore's errors: missing key, no access, no endpoint
+        raise InputError(f"{url}: cannot download it: {exc}") from None
+    if not keys:
+        raise InputError(f"{url}: no such object or prefix")
+    return root / name
 
 
 def detect_format(path: Path) -> str:

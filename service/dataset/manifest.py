@@ -140,9 +140,12 @@ class Summary(BaseModel):
     objects_found: int
     reasons: dict[str, int]
     stopped: str | None = None
+    elapsed_s: float = Field(0.0, description="Wall time of the last session.")
 
 
-def summarise(records: dict[int, Record], input_rows: int, stopped: str | None) -> Summary:
+def summarise(
+    records: dict[int, Record], input_rows: int, stopped: str | None, elapsed_s: float = 0.0
+) -> Summary:
     """Counts over the rows of this run (its shard) from their manifest lines."""
     counts: Counter[str] = Counter(r.status for r in records.values())
     ok = [r for r in records.values() if r.status == "ok"]
@@ -164,6 +167,7 @@ def summarise(records: dict[int, Record], input_rows: int, stopped: str | None) 
         objects_found=sum(1 for r in ok if r.found),
         reasons=dict(sorted(reasons.items())),
         stopped=stopped,
+        elapsed_s=round(elapsed_s, 3),
     )
 
 

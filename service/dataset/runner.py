@@ -190,6 +190,7 @@ class Run:
         self.shard_rows = 0
 
     async def run(self) -> Summary:
+        self.started = time.monotonic()
         records = await asyncio.to_thread(load_records, self.store)
         total = await asyncio.to_thread(self.source.count)
         shards = self.options.shard[1] if self.options.shard else 1
@@ -223,7 +224,8 @@ class Run:
     async def finish(self, records: dict[int, Record]) -> Summary:
         if self.stopped is not None:  # rows past the stop point still count as input rows
             self.shard_rows = await asyncio.to_thread(self.count_shard_rows)
-        summary = summarise(records, self.shard_rows, self.stopped)
+        elapsed = time.monotonic() - self.started
+        summary = summarise(records, self.shard_rows, self.stopped, elapsed)
         await asyncio.to_thread(self.store.write, SUMMARY, dumps(summary))
         return summary
 

@@ -207,3 +207,16 @@ def test_verify_of_an_output_that_is_not_a_run(
     code, err = run_cli(capsys, "verify", str(tmp_path), "--endpoint", "http://127.0.0.1:9")
     assert code == 2
     assert "no job.json (not the output of hsx dataset run)" in err
+
+
+def test_inputs_in_s3_are_read_like_local_files(
+    s3_endpoint: str, s3_bucket: str, s3_admin: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    from service.dataset.inputs import InputError, iter_rows, open_source
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    s3_admin.put_object(Bucket=s3_bucket, Key="in/chats.jsonl", Body=b'{"text": "a"}\n{"x": 1}\n')
+    rows = list(iter_rows(open_source(f"s3://{s3_bucket}/in/chats.jsonl")))
+    assert [r.prompt for r in rows] == [{"text": "a"}, None]
+    with pytest.raises(InputError, match="cannot download it"):
+        open_source(f"s3://{s3_bucket}/in/missing.jsonl")
