@@ -209,6 +209,8 @@ class ModelCard(BaseModel):
     dtype: str
     max_model_len: int
     storage_backend: str
+    tokenizer_sha256: str | None = Field(None, description="SHA-256 of the tokenizer's JSON.")
+    chat_template_sha256: str | None = Field(None, description="SHA-256 of the chat template.")
 
 
 class ModelList(BaseModel):
