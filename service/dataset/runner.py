@@ -418,6 +418,8 @@ class Run:
             item.attempts += 1
             item.last_error = f"{endpoint.url}: {error}"
         await self.requeue(batch)
+        if endpoint.dropped:  # another worker's request already ended it
+            return 0.0
         if endpoint.errors_in_a_row >= self.options.max_consecutive_errors:
             endpoint.dropped = True
             print(
