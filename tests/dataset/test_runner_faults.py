@@ -48,6 +48,8 @@ class Scripted:
     def __init__(self, script: Callable[[dict[str, Any]], Reply]) -> None:
         self.script = script
         self.bodies: list[dict[str, Any]] = []
+        self.tokenized: list[dict[str, Any]] = []
+        self.tokenize: Callable[[dict[str, Any]], Reply] = lambda body: (404, {}, {})
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,6 +61,10 @@ class Scripted:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":  # vLLM's shape: {"model", "prompt"|"messages"}
+                    owner.tokenized.append(body)
+                    self.reply(*owner.tokenize(body))
+                    return
                 owner.bodies.append(body)
                 self.reply(*owner.script(body))
 
@@ -142,13 +148,24 @@ def test_a_busy_endpoint_is_left_alone_for_retry_after(tmp_path: Path, servers: 
 def test_a_failing_endpoint_is_dropped_and_its_prompts_go_elsewhere(
     tmp_path: Path, servers: Any
 ) -> None:
-    down = servers(lambda body: (503, {}, {"error": {"type": "unavailable", "message": "x"}}))
-    good = servers(stored)
+    third_failure = threading.Event()
+
+    def failing(body: dict[str, Any]) -> Reply:
+        if len(down.bodies) >= 3:
+            third_failure.set()
+        return 503, {}, {"error": {"type": "unavailable", "message": "x"}}
+
+    def after_the_drop(body: dict[str, Any]) -> Reply:
+        third_failure.wait(30)  # hold the healthy one until the other has failed 3 times
+        return stored(body)
+
+    down = servers(failing)
+    good = servers(after_the_drop)
     summary = run_dataset(
         options(tmp_path, [down.url, good.url], max_consecutive_errors=3, concurrency=1)
     )
     assert (summary.ok, summary.complete) == (39, True)
-    assert len(down.bodies) == 3  # dropped after three errors in a row
+    assert len(down.bodies) == 3  # dropped after three errors in a row, never asked again
     sent = [p["custom_id"] for b in good.bodies for p in b["prompts"]]
     assert len(sent) == len(set(sent)) == 39  # each prompt stored once
 
@@ -209,3 +226,42 @@ def test_truncate_cuts_token_rows_to_the_limit(tmp_path: Path, servers: Any) -> 
     assert manifest(tmp_path)[7]["num_tokens"] == 20
     lengths = {len(p["token_ids"]) for b in server.bodies for p in b["prompts"]}
     assert max(lengths) == 20
+
+
+def test_estimate_tokenises_a_sample_and_writes_nothing(tmp_path: Path, servers: Any) -> None:
+    from service.dataset import estimate
+
+    server = servers(stored)
+    chats = tmp_path / "chats.jsonl"
+    turn = {"role": "user", "content": "hello there"}
+    chats.write_text("".join(json.dumps({"messages": [turn], "n": i}) + "\n" for i in range(30)))
+    run = RunOptions(input=str(chats), endpoints=[server.url], output=str(tmp_path / "out"))
+    server.tokenize = lambda body: (200, {}, {"count": 12, "max_model_len": 64, "tokens": []})
+    result = estimate(run, sample=10)
+    assert (result.rows, result.sampled, result.projected_tokens) == (30, 10, 360)
+    # [tokens, 2 layers, 4 wide] float32 states + int64 token ids per token.
+    assert result.projected_bytes == 360 * (2 * 4 * 4 + 8)
+    assert server.tokenized[0] == {
+        "model": "tiny", "messages": [turn], "add_generation_prompt": True
+    }  # fmt: skip
+    assert server.bodies == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_estimate_needs_tokenize(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    server = servers(stored)
+    path = rows_file(tmp_path, 3)
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"text": "a"}\n')
+    code = main(["dataset", "run", str(text), "--endpoint", server.url, "--output",
+                 str(tmp_path / "out"), "--estimate"])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hsx dataset: error: {server.url} has no POST /tokenize; cannot estimate"
+    )
+    assert path.exists()
+    assert not (tmp_path / "out").exists()
