@@ -21,7 +21,7 @@ from service.dataset.estimate import Estimate, estimate_async
 from service.dataset.export import export_speculators_async
 from service.dataset.manifest import Summary
 from service.dataset.options import RunOptions
-from service.dataset.runner import run_dataset_async
+from service.dataset.session import run_dataset_async
 from service.dataset.verify import VerifyReport, verify_async
 
 __all__ = [

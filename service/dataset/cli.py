@@ -21,7 +21,7 @@ from service.dataset.export import ExportError, export_speculators_async
 from service.dataset.inputs import InputError
 from service.dataset.manifest import FingerprintMismatchError
 from service.dataset.options import RunOptions, parse_shard
-from service.dataset.runner import RunError, run_dataset_async
+from service.dataset.session import RunError, run_dataset_async
 from service.dataset.verify import verify_async
 
 USER_ERRORS = (

@@ -14,44 +14,35 @@ batch's.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from service.dataset.endpoints import ServerInfo, auth_headers, probe_all
-from service.dataset.inputs import Row, Source, iter_rows, open_source, shard_of
+from service.dataset.inputs import Row, Source, iter_rows, shard_of
 from service.dataset.manifest import (
-    ERRORS,
     JOB,
-    MANIFEST,
     SUMMARY,
     Fingerprint,
     Job,
     Record,
     Summary,
-    check_fingerprint,
     dumps,
-    error_line,
     load_records,
     summarise,
 )
 from service.dataset.options import RunOptions
 from service.dataset.progress import Counters, Display
-from service.dataset.store import StateStore, open_store
+from service.dataset.recorder import Recorder, count_record
+from service.dataset.replies import detail_of, error_of, outcome_of, retry_after
+from service.dataset.store import StateStore
 
 TRANSIENT = {500, 502, 503, 504}
 #: Rows read ahead of the workers.
 QUEUE_ROWS = 2048
-
-
-class RunError(Exception):
-    """The run cannot start (bad options for these servers)."""
 
 
 @dataclass
@@ -68,100 +59,15 @@ class Endpoint:
     dropped: bool = False
 
 
-class Recorder:
-    """Manifest and error lines, buffered and flushed to the store off the event loop."""
-
-    def __init__(self, store: StateStore, records: dict[int, Record], counters: Counters) -> None:
-        self.store, self.records, self.counters = store, records, counters
-        self.manifest: list[str] = []
-        self.errors: list[str] = []
-        self.lock = threading.Lock()
-        self.flushed = time.monotonic()
-
-    def add(self, record: Record, attempts: int = 0) -> None:
-        self.records[record.row] = record
-        self.manifest.append(record.model_dump_json(exclude_none=True))
-        if record.status != "ok":
-            self.errors.append(error_line(record, attempts))
-        _count(self.counters, record)
-
-    def flush(self, force: bool = True) -> None:
-        """Write the buffered lines (unless the store's interval has not passed)."""
-        if not force and time.monotonic() - self.flushed < self.store.flush_interval_s:
-            return
-        self.flushed = time.monotonic()
-        with self.lock:  # a cancelled to_thread keeps running: never two flushes at once
-            manifest, self.manifest = self.manifest, []
-            errors, self.errors = self.errors, []
-            self.store.append(MANIFEST, manifest)
-            self.store.append(ERRORS, errors)
-
-
-def _count(counters: Counters, record: Record) -> None:
-    if record.status == "ok":
-        counters.ok += 1
-        counters.tokens += record.num_tokens or 0
-        counters.bytes += record.bytes or 0
-    elif record.status == "failed":
-        counters.failed += 1
-    else:
-        counters.skipped += 1
-
-
-async def run_dataset_async(options: RunOptions) -> Summary:
-    """Run (or resume) ``options``; the summary is also written to the output.
-
-    Raises InputError, EndpointError, FingerprintMismatchError or RunError before
-    anything is written.
-    """
-    source = open_source(options.input, options.id_column)
-    timeout = httpx.Timeout(options.request_timeout, connect=10.0)
-    limits = httpx.Limits(max_connections=options.concurrency * len(options.endpoints) + 4)
-    async with httpx.AsyncClient(
-        headers=auth_headers(options.api_key), timeout=timeout, limits=limits
-    ) as client:
-        info, infos, warnings = await probe_all(client, options.endpoint_urls())
-        for warning in warnings:
-            print(
-                f"hsx dataset: warning: {warning}; continuing without it",
-                file=sys.stderr,
-                flush=True,
-            )
-        fingerprint = make_fingerprint(options, info)
-        root = open_store(options.output, options.s3_endpoint_url)
-        name = options.shard_name()
-        store = root.child(name) if name else root
-        check_fingerprint(store, fingerprint, options.force)
-        run = Run(options, source, store, fingerprint, client, [i.url for i in infos])
-        return await run.run()
-
-
-def make_fingerprint(options: RunOptions, info: ServerInfo) -> Fingerprint:
-    """The run's fingerprint from its options and what the server serves."""
-    limit = info.max_model_len - options.max_tokens
-    if options.max_length is not None and options.max_length > limit:
-        raise RunError(
-            f"--max-length {options.max_length} is over the server's limit {limit} "
-            f"(max_model_len {info.max_model_len} - max_tokens {options.max_tokens})"
-        )
-    if options.codec is not None and options.codec not in info.extra.get("codecs", ["raw"]):
-        raise RunError(f"{info.url} does not offer codec {options.codec!r}")
-    return Fingerprint(
-        model=info.model,
-        layer_ids=options.layers or info.layer_ids,
-        hidden_size=info.hidden_size,
-        dtype=info.dtype,
-        codec=options.codec or info.default_codec,
-        tokenizer_sha256=info.tokenizer_sha256,
-        chat_template_sha256=info.chat_template_sha256,
-        loss=options.loss,
-        max_length=options.max_length or limit,
-        on_long=options.on_long,
-        max_tokens=options.max_tokens,
-        include_output_tokens=options.include_output_tokens,
-        hsx_version=info.version,
-        shard=f"{options.shard[0]}/{options.shard[1]}" if options.shard else None,
-    )
+def counters_from(records: dict[int, Record], expected: int) -> Counters:
+    """Counters that start from what earlier sessions decided (rates count this one)."""
+    counters = Counters(expected=expected)
+    for record in records.values():
+        count_record(counters, record)
+    counters.ok_before, counters.bytes_before = counters.ok, counters.bytes
+    counters.decided_before = counters.decided
+    counters.tokens = 0
+    return counters
 
 
 class Run:
@@ -194,12 +100,7 @@ class Run:
         records = await asyncio.to_thread(load_records, self.store)
         total = await asyncio.to_thread(self.source.count)
         shards = self.options.shard[1] if self.options.shard else 1
-        counters = Counters(expected=-(-total // shards))
-        for record in records.values():
-            _count(counters, record)
-        counters.ok_before, counters.bytes_before = counters.ok, counters.bytes
-        counters.decided_before = counters.decided
-        counters.tokens = 0
+        counters = counters_from(records, expected=-(-total // shards))
         if self.store.read(JOB) is None or self.options.force:
             job = Job(fingerprint=self.fingerprint, input=self.options.input, input_rows=total)
             await asyncio.to_thread(self.store.write, JOB, dumps(job))
@@ -331,12 +232,12 @@ class Run:
             endpoint.errors_in_a_row = 0
             await self.accepted(endpoint, batch, response.json())
             return 0.0
-        error = _error_of(response)
+        error = error_of(response)
         if response.status_code == 429:
             await self.requeue(batch)
-            return _retry_after(response) or self.options.backoff_base_s
+            return retry_after(response) or self.options.backoff_base_s
         if response.status_code in TRANSIENT:
-            return await self.transient(endpoint, batch, error, _retry_after(response))
+            return await self.transient(endpoint, batch, error, retry_after(response))
         if response.status_code in (401, 403, 404):
             self.done_with(len(batch))
             self.stop(f"{endpoint.url} answered {response.status_code}: {error}")
@@ -397,14 +298,14 @@ class Run:
         self, endpoint: Endpoint, batch: list[Item], response: httpx.Response
     ) -> None:
         """A 4xx for the request: the prompt it names fails, the others go again."""
-        detail = _detail(response)
+        detail = detail_of(response)
         index = detail.get("index")
         if isinstance(index, int) and 0 <= index < len(batch):
-            self.decide(batch[index].row, *_outcome(response.status_code, detail))
+            self.decide(batch[index].row, *outcome_of(response.status_code, detail))
             self.done_with(1)
             await self.requeue([item for i, item in enumerate(batch) if i != index])
         elif len(batch) == 1:
-            self.decide(batch[0].row, *_outcome(response.status_code, detail))
+            self.decide(batch[0].row, *outcome_of(response.status_code, detail))
             self.done_with(1)
         else:  # no prompt named: send each alone to find the culprit
             for item in batch:
@@ -462,37 +363,3 @@ def _next_batch(rows: Any, size: int) -> list[Row]:
         if len(out) >= size:
             break
     return out
-
-
-def _detail(response: httpx.Response) -> dict[str, Any]:
-    try:
-        body = response.json()
-    except ValueError:
-        return {"message": response.text[:200]}
-    error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else {"message": json.dumps(body)[:200]}
-
-
-def _error_of(response: httpx.Response) -> str:
-    detail = _detail(response)
-    return f"{response.status_code} {detail.get('type', '')}: {detail.get('message', '')}".strip()
-
-
-def _outcome(status: int, detail: dict[str, Any]) -> tuple[str, str]:
-    """(status, reason) of a prompt the server refused."""
-    kind, message = detail.get("type", ""), detail.get("message", "")
-    if kind == "limit_exceeded" and "max_model_len" in message:
-        return "skipped", f"too_long: {message}"
-    if status == 409:
-        return "failed", f"conflict: {message}"
-    if status == 413:
-        return "failed", f"too_large: {message}"
-    return "failed", f"refused: {status} {kind}: {message}"
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
