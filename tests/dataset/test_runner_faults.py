@@ -49,12 +49,22 @@ class Scripted:
         self.script = script
         self.bodies: list[dict[str, Any]] = []
         self.tokenized: list[dict[str, Any]] = []
+        self.objects: dict[str, bytes] = {}
         self.tokenize: Callable[[dict[str, Any]], Reply] = lambda body: (404, {}, {})
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path == "/v1/models":
+                if self.path.startswith("/objects/"):
+                    data = owner.objects.get(self.path.removeprefix("/objects/"))
+                    if data is None:
+                        self.reply(404, {}, {"error": {"type": "not_found"}})
+                        return
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                elif self.path == "/v1/models":
                     self.reply(200, {}, {"object": "list", "data": [MODEL]})
                 else:
                     self.reply(200, {}, {"version": "0.1.0", "vllm": "0.32.0"})
@@ -265,3 +275,61 @@ def test_estimate_needs_tokenize(
     )
     assert path.exists()
     assert not (tmp_path / "out").exists()
+
+
+def safetensors_object(ids: list[int], states: Any = None) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    hidden = torch.ones(len(ids), 2, 4) if states is None else states
+    return bytes(save({"hidden_states": hidden, "token_ids": torch.tensor(ids)}))
+
+
+def test_verify_reports_every_kind_of_problem(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from service.cli import main
+
+    def storing(body: dict[str, Any]) -> Reply:
+        status, headers, reply = stored(body)
+        for obj, prompt in zip(reply["objects"], body["prompts"], strict=True):
+            data = safetensors_object(prompt["token_ids"])
+            server.objects[obj["key"]] = data
+            obj.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        return status, headers, reply
+
+    server = servers(storing)
+    run = options(tmp_path, [server.url])
+    assert run_dataset(run).complete
+    out = str(tmp_path / "out")
+    assert main(["dataset", "verify", out, "--endpoint", server.url]) == 0
+    assert "verified 39 objects of 40 manifest rows (0 failed, 1 skipped rows): 0 problems" in (
+        capsys.readouterr().out
+    )
+
+    rows = manifest(tmp_path)
+    key = {row: r.get("key") for row, r in rows.items()}
+    del server.objects[key[0]]  # gone
+    server.objects[key[1]] = server.objects[key[1]][:-4] + b"\0\0\0\0"  # bytes changed
+    nan = torch.ones(rows[2]["num_tokens"], 2, 4)
+    nan[0, 0, 0] = float("nan")
+    server.objects[key[2]] = safetensors_object(list(range(3, 3 + rows[2]["num_tokens"])), nan)
+    other = safetensors_object([9] * rows[3]["num_tokens"])  # other token ids
+    server.objects[key[3]] = other
+    fixed = [  # the manifest says these checksums, so only the contents are wrong
+        {**rows[2], "sha256": hashlib.sha256(server.objects[key[2]]).hexdigest()},
+        {**rows[3], "sha256": hashlib.sha256(other).hexdigest()},
+    ]
+    with (tmp_path / "out" / "manifest.jsonl").open("a") as handle:
+        handle.write("".join(json.dumps(r) + "\n" for r in fixed))
+    assert main(["dataset", "verify", out, "--endpoint", server.url]) == 1
+    report = capsys.readouterr().out.splitlines()
+    assert report[0].endswith(": 4 problems")
+    assert sorted(report[1:]) == sorted([
+        f"row 0 ({key[0]}): GET answered 404",
+        f"row 1 ({key[1]}): checksum differs from the manifest",
+        f"row 2 ({key[2]}): hidden_states hold NaN or Inf",
+        f"row 3 ({key[3]}): token_ids differ from the input row",
+    ])  # fmt: skip
