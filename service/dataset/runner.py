@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -101,9 +102,7 @@ class Run:
         total = await asyncio.to_thread(self.source.count)
         shards = self.options.shard[1] if self.options.shard else 1
         counters = counters_from(records, expected=-(-total // shards))
-        if self.store.read(JOB) is None or self.options.force:
-            job = Job(fingerprint=self.fingerprint, input=self.options.input, input_rows=total)
-            await asyncio.to_thread(self.store.write, JOB, dumps(job))
+        await asyncio.to_thread(self.write_job, total)
         self.recorder = Recorder(self.store, records, counters)
         self.display = Display(counters, self.options.progress)
         workers = [
@@ -121,6 +120,14 @@ class Run:
             await asyncio.to_thread(self.recorder.flush)
             self.display.close()
         return await self.finish(records)
+
+    def write_job(self, total: int) -> None:
+        """``job.json`` for a new output (or a forced one)."""
+        if self.store.read(JOB) is None or self.options.force:
+            where = self.options.input  # absolute, so verify finds it from anywhere
+            where = where if where.startswith("s3://") else str(Path(where).resolve())
+            job = Job(fingerprint=self.fingerprint, input=where, input_rows=total)
+            self.store.write(JOB, dumps(job))
 
     async def finish(self, records: dict[int, Record]) -> Summary:
         if self.stopped is not None:  # rows past the stop point still count as input rows

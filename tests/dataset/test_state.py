@@ -220,3 +220,16 @@ def test_inputs_in_s3_are_read_like_local_files(
     assert [r.prompt for r in rows] == [{"text": "a"}, None]
     with pytest.raises(InputError, match="cannot download it"):
         open_source(f"s3://{s3_bucket}/in/missing.jsonl")
+
+
+def test_the_progress_line_says_what_a_user_watches() -> None:
+    from service.dataset.progress import Counters
+
+    counters = Counters(expected=100, ok=40, failed=2, skipped=8, tokens=4000, bytes=4_000_000)
+    line = counters.line()
+    assert line.startswith("done 40 failed 2 skipped 8 of ~100 | ")
+    assert "4.0 MB written" in line
+    # 90 rows will hold objects, at the 100 kB each seen so far.
+    assert counters.projected_bytes() == 9_000_000
+    assert line.endswith("projected 9.0 MB")
+    assert Counters(expected=5).projected_bytes() is None
