@@ -16,38 +16,36 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from service.dataset.estimate import Estimate, estimate_async
-from service.dataset.export import export_speculators_async
 from service.dataset.manifest import Summary
 from service.dataset.options import RunOptions
-from service.dataset.session import run_dataset_async
-from service.dataset.verify import VerifyReport, verify_async
 
-__all__ = [
-    "Estimate",
-    "RunOptions",
-    "Summary",
-    "VerifyReport",
-    "estimate",
-    "export_speculators",
-    "run_dataset",
-    "verify",
-]
+if TYPE_CHECKING:  # httpx and the rest load with the functions that use them
+    from service.dataset.estimate import Estimate
+    from service.dataset.verify import VerifyReport
+
+__all__ = ["RunOptions", "Summary", "estimate", "export_speculators", "run_dataset", "verify"]
 
 
 def run_dataset(options: RunOptions) -> Summary:
     """Run or resume a dataset run; blocks until it is done or stopped."""
+    from service.dataset.session import run_dataset_async
+
     return asyncio.run(run_dataset_async(options))
 
 
 def estimate(options: RunOptions, sample: int = 64) -> Estimate:
     """Projected tokens, bytes and time of a run, from a tokenised sample; writes nothing."""
+    from service.dataset.estimate import estimate_async
+
     return asyncio.run(estimate_async(options, sample))
 
 
 def verify(output: str, endpoint: str, api_key: str | None = None) -> VerifyReport:
     """Check every object a run's manifest names."""
+    from service.dataset.verify import verify_async
+
     return asyncio.run(verify_async(output, endpoint, api_key))
 
 
@@ -55,4 +53,6 @@ def export_speculators(
     output: str, dest: str | Path, endpoint: str, api_key: str | None = None
 ) -> int:
     """Write the speculators training layout of a run into ``dest``; the sample count."""
+    from service.dataset.export import export_speculators_async
+
     return asyncio.run(export_speculators_async(output, dest, endpoint, api_key))

@@ -13,28 +13,32 @@ import os
 import sys
 from typing import Any
 
-from pydantic import ValidationError
+# The dataset modules (httpx, pydantic models, datasets) load only when a dataset
+# command runs, so ``hsx serve`` needs none of the ``dataset`` extra.
 
-from service.dataset.endpoints import EndpointError
-from service.dataset.estimate import EstimateError, estimate_async
-from service.dataset.export import ExportError, export_speculators_async
-from service.dataset.inputs import InputError
-from service.dataset.manifest import FingerprintMismatchError
-from service.dataset.options import RunOptions, parse_shard
-from service.dataset.session import RunError, run_dataset_async
-from service.dataset.verify import verify_async
 
-USER_ERRORS = (
-    InputError,
-    EndpointError,
-    FingerprintMismatchError,
-    RunError,
-    EstimateError,
-    ExportError,
-    FileNotFoundError,
-    ValidationError,
-    ValueError,
-)
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input or options: one line, exit 2."""
+    from pydantic import ValidationError
+
+    from service.dataset.endpoints import EndpointError
+    from service.dataset.estimate import EstimateError
+    from service.dataset.export import ExportError
+    from service.dataset.inputs import InputError
+    from service.dataset.manifest import FingerprintMismatchError
+    from service.dataset.session import RunError
+
+    return (
+        InputError,
+        EndpointError,
+        FingerprintMismatchError,
+        RunError,
+        EstimateError,
+        ExportError,
+        FileNotFoundError,
+        ValidationError,
+        ValueError,
+    )
 
 
 def add_parser(commands: Any) -> None:
@@ -98,8 +102,10 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     run.set_defaults(func=_cmd_run)
 
 
-def options_of(args: argparse.Namespace) -> RunOptions:
+def options_of(args: argparse.Namespace) -> Any:
     """RunOptions from ``hsx dataset run`` arguments."""
+    from service.dataset.options import RunOptions, parse_shard
+
     return RunOptions(
         input=args.input,
         endpoints=args.endpoint,
@@ -126,9 +132,11 @@ def options_of(args: argparse.Namespace) -> RunOptions:
 
 
 def _guarded(work: Any) -> int:
+    from pydantic import ValidationError
+
     try:
         return int(work())
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         if isinstance(exc, ValidationError):
             message = "; ".join(_field_error(e) for e in exc.errors())
         else:
@@ -144,6 +152,9 @@ def _field_error(error: Any) -> str:
 
 def _cmd_run(_settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
+        from service.dataset.estimate import estimate_async
+        from service.dataset.session import run_dataset_async
+
         options = options_of(args)
         if args.estimate:
             print(asyncio.run(estimate_async(options)).text())
@@ -157,6 +168,8 @@ def _cmd_run(_settings: Any, args: argparse.Namespace) -> int:
 
 def _cmd_verify(_settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
+        from service.dataset.verify import verify_async
+
         key = args.api_key or os.environ.get("HSX_API_KEY")
         report = asyncio.run(
             verify_async(args.output, args.endpoint, key, s3_endpoint_url=args.s3_endpoint_url)
@@ -169,6 +182,8 @@ def _cmd_verify(_settings: Any, args: argparse.Namespace) -> int:
 
 def _cmd_export(_settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
+        from service.dataset.export import export_speculators_async
+
         key = args.api_key or os.environ.get("HSX_API_KEY")
         count = asyncio.run(
             export_speculators_async(
