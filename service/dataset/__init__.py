@@ -1,6 +1,7 @@
 """Whole datasets through hsx: ``hsx dataset run``, ``verify`` and ``export``.
 
-The Python API mirrors the commands::
+The Python API mirrors the commands (``run_dataset``, ``estimate_dataset``,
+``verify_dataset``, ``export_speculators``)::
 
     from service.dataset import RunOptions, run_dataset
 
@@ -25,7 +26,14 @@ if TYPE_CHECKING:  # httpx and the rest load with the functions that use them
     from service.dataset.estimate import Estimate
     from service.dataset.verify import VerifyReport
 
-__all__ = ["RunOptions", "Summary", "estimate", "export_speculators", "run_dataset", "verify"]
+__all__ = [
+    "RunOptions",
+    "Summary",
+    "estimate_dataset",
+    "export_speculators",
+    "run_dataset",
+    "verify_dataset",
+]
 
 
 def run_dataset(options: RunOptions) -> Summary:
@@ -35,14 +43,14 @@ def run_dataset(options: RunOptions) -> Summary:
     return asyncio.run(run_dataset_async(options))
 
 
-def estimate(options: RunOptions, sample: int = 64) -> Estimate:
+def estimate_dataset(options: RunOptions, sample: int = 64) -> Estimate:
     """Projected tokens, bytes and time of a run, from a tokenised sample; writes nothing."""
     from service.dataset.estimate import estimate_async
 
     return asyncio.run(estimate_async(options, sample))
 
 
-def verify(output: str, endpoint: str, api_key: str | None = None) -> VerifyReport:
+def verify_dataset(output: str, endpoint: str, api_key: str | None = None) -> VerifyReport:
     """Check every object a run's manifest names."""
     from service.dataset.verify import verify_async
 

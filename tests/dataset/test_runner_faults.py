@@ -239,7 +239,7 @@ def test_truncate_cuts_token_rows_to_the_limit(tmp_path: Path, servers: Any) -> 
 
 
 def test_estimate_tokenises_a_sample_and_writes_nothing(tmp_path: Path, servers: Any) -> None:
-    from service.dataset import estimate
+    from service.dataset import estimate_dataset
 
     server = servers(stored)
     chats = tmp_path / "chats.jsonl"
@@ -247,7 +247,7 @@ def test_estimate_tokenises_a_sample_and_writes_nothing(tmp_path: Path, servers:
     chats.write_text("".join(json.dumps({"messages": [turn], "n": i}) + "\n" for i in range(30)))
     run = RunOptions(input=str(chats), endpoints=[server.url], output=str(tmp_path / "out"))
     server.tokenize = lambda body: (200, {}, {"count": 12, "max_model_len": 64, "tokens": []})
-    result = estimate(run, sample=10)
+    result = estimate_dataset(run, sample=10)
     assert (result.rows, result.sampled, result.projected_tokens) == (30, 10, 360)
     # [tokens, 2 layers, 4 wide] float32 states + int64 token ids per token.
     assert result.projected_bytes == 360 * (2 * 4 * 4 + 8)
