@@ -9,6 +9,17 @@ from pathlib import Path
 from service.engine.completion import Completion, CompletionReceiver, CompletionSender
 
 
+def stored(key: str, num_tokens: int = 3) -> Completion:
+    """A completion saying ``key``'s object is durable (either shape of Completion)."""
+    if "stored" in getattr(Completion, "model_fields", {}):  # the typed wire messages
+        from service.engine.wire import StoredObject  # type: ignore[import-not-found]
+
+        obj = StoredObject(key=key, uri="file:///x", size=10, sha256="s",
+                           num_tokens=num_tokens, shape=(num_tokens, 1, 1))  # fmt: skip
+        return Completion(key=key, stored=obj)  # type: ignore[call-arg]
+    return Completion(key=key, ok=True, size=10, sha256="s", num_tokens=num_tokens)
+
+
 async def test_a_key_expected_again_after_abandon_gets_its_completion(tmp_path: Path) -> None:
     address = f"ipc://{tmp_path / 'completions.sock'}"
     receiver = CompletionReceiver(address)
@@ -25,16 +36,16 @@ async def test_a_key_expected_again_after_abandon_gets_its_completion(tmp_path: 
         receiver.expect(key)
         receiver.abandon(key)  # the first client went away before its object was written
         retry = receiver.expect(key)  # the same prompt again, same key
-        sender.send(Completion(key=key, ok=True, size=10, sha256="s", num_tokens=3))
+        sender.send(stored(key))
         completion = await asyncio.wait_for(retry, 30)
-        assert (completion.key, completion.ok, completion.num_tokens) == (key, True, 3)
+        assert completion == stored(key)
         assert orphans == []
 
         # A key abandoned and not asked again still goes to on_orphan.
         other = key.replace("ab", "cd")
         receiver.expect(other)
         receiver.abandon(other)
-        sender.send(Completion(key=other, ok=True))
+        sender.send(stored(other))
         async with asyncio.timeout(30):
             while not orphans:
                 await asyncio.sleep(0.01)
