@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks import api_bench, codec_bench, storage_bench, validation_bench
+from benchmarks import api_bench, codec_bench, dataset_bench, storage_bench, validation_bench
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -49,6 +49,7 @@ def main() -> None:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             rows += runner.run(api_bench.run(Path(scratch), timed))
             rows += runner.run(codec_bench.run(Path(scratch), timed))
+            rows += runner.run(dataset_bench.run(Path(scratch), timed))
     lines = [
         "# Benchmarks",
         "",
@@ -64,7 +65,13 @@ def main() -> None:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    notes = storage_bench.NOTES + validation_bench.NOTES + api_bench.NOTES + codec_bench.NOTES
+    notes = (
+        storage_bench.NOTES
+        + validation_bench.NOTES
+        + api_bench.NOTES
+        + codec_bench.NOTES
+        + dataset_bench.NOTES
+    )
     DOC.write_text(text + "\n" + notes)
 
 

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, path, kind, text in SERVE_FLAGS:
         serve.add_argument(flag, type=kind, default=None, help=f"{text} (HSX_{_env(path)})")
     serve.set_defaults(func=_cmd_serve)
+    from service.dataset.cli import add_parser as add_dataset_parser
+
+    add_dataset_parser(commands)
     return parser
 
 

@@ -230,6 +230,8 @@ class ModelCard(BaseModel):
     storage_backend: str
     codecs: list[str] = Field(description="Codecs a request may ask for (`codec`).")
     default_codec: str = Field(description="The codec of requests that name none.")
+    tokenizer_sha256: str | None = Field(None, description="SHA-256 of the tokenizer's JSON.")
+    chat_template_sha256: str | None = Field(None, description="SHA-256 of the chat template.")
 
 
 class ModelList(BaseModel):

@@ -80,6 +80,11 @@ class CompletionReceiver:
         """A future that resolves with ``key``'s completion."""
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
+        # An idempotent key asked for again after its earlier request was abandoned (a
+        # client killed, then its retry): the new waiter takes the next completion under
+        # the key, which is the same prompt's object either way. Left in _abandoned, that
+        # completion went to on_orphan and the retry waited forever.
+        self._abandoned.discard(key)
         return future
 
     def abandon(self, key: str, waiter: asyncio.Future[Completion] | None = None) -> None:

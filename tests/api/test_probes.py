@@ -34,8 +34,14 @@ async def test_draining_app_is_not_ready_and_refuses_work(fake: Any, tmp_path: P
 @pytest.mark.engine
 @pytest.mark.slow
 def test_models_and_version(client: httpx.Client, local_engine: ServerThread) -> None:
+    import hashlib
+
     card = client.get("/v1/models", headers=AUTH_A).json()["data"][0]
     extractor = local_engine.extractor
+    template = extractor.tokenizer.chat_template
+    assert card.pop("chat_template_sha256") == hashlib.sha256(template.encode()).hexdigest()
+    tokenizer_json = extractor.tokenizer.backend_tokenizer.to_str()
+    assert card.pop("tokenizer_sha256") == hashlib.sha256(tokenizer_json.encode()).hexdigest()
     assert card == {
         "id": "llama",  # the served name, not the server's path
         "object": "model",

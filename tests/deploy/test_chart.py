@@ -174,3 +174,53 @@ def test_helm_lint_and_template(example: Path) -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"  # /dev/shm
+
+
+@pytest.mark.skipif(HELM is None, reason="no helm binary (PATH or .venv); schema checks ran")
+def test_dataset_job_renders_one_pod_per_shard_against_the_service() -> None:
+    assert HELM is not None
+    example = CHART / "examples" / "values-dataset.yaml"
+    command = [HELM, "template", "hsx", str(CHART), "-f", str(example), "--kube-version", "1.30.0"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    documents = [d for d in yaml.safe_load_all(out) if d]
+    job = next(d for d in documents if d["kind"] == "Job")
+    service = next(d for d in documents if d["kind"] == "Service")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert (spec["completions"], spec["parallelism"], spec["backoffLimitPerIndex"]) == (8, 4, 3)
+    assert spec["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    args = pod["containers"][0]["args"]
+    assert args[:3] == ["dataset", "run", "s3://my-bucket/datasets/ultrachat-200k.jsonl"]
+    port = service["spec"]["ports"][0]["port"]
+    assert args[args.index("--endpoint") + 1] == f"http://{service['metadata']['name']}:{port}"
+    assert args[args.index("--shard") + 1] == "$(JOB_COMPLETION_INDEX)/8"
+    assert args[args.index("--output") + 1].startswith("s3://")
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert (
+        "job-completion-index" in env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    )
+    assert env["HSX_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "hsx-dataset-client"
+    # The Service must not select the Job's pods.
+    selector = service["spec"]["selector"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert not all(labels.get(k) == v for k, v in selector.items())
+    # Off by default: no Job at all.
+    plain = subprocess.run(
+        [HELM, "template", "hsx", str(CHART), "-f", str(EXAMPLES[0]), "--kube-version", "1.30.0"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    assert "kind: Job" not in plain
+
+
+def test_dataset_values_are_checked() -> None:
+    values = merged(load(CHART / "values.yaml"), {"dataset": {"shards": 0}})
+    with pytest.raises(jsonschema.ValidationError, match="less than the minimum"):
+        jsonschema.validate(values, schema())
+    values = merged(load(CHART / "values.yaml"), {"dataset": {"loss": "some"}})
+    with pytest.raises(jsonschema.ValidationError, match="is not one of"):
+        jsonschema.validate(values, schema())
+    values = merged(load(CHART / "values.yaml"), {"dataset": {"output": "/local/dir"}})
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        jsonschema.validate(values, schema())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from typing import Any
 
 import prometheus_client
@@ -73,7 +75,21 @@ async def models(state: StateDep) -> ModelList:
         codecs=extractor.codecs,
         default_codec=state.settings.storage.codec,
     )
+    # Dataset runs fingerprint these: a resume under another tokenizer is refused.
+    card.tokenizer_sha256, card.chat_template_sha256 = tokenizer_hashes(extractor.tokenizer)
     return ModelList(data=[card])
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_hashes(tokenizer: Any) -> tuple[str | None, str | None]:
+    """SHA-256 of the tokenizer's serialised form and of its chat template (None: none)."""
+    if tokenizer is None:
+        return None, None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    template = getattr(tokenizer, "chat_template", None)
+    digest = hashlib.sha256(str(text).encode()).hexdigest()
+    return digest, hashlib.sha256(template.encode()).hexdigest() if template else None
 
 
 @private.get("/openapi.json", include_in_schema=False)

@@ -1,0 +1,196 @@
+"""``hsx dataset run|verify|export``: argument parsing and exit codes.
+
+Exit codes: 0 done (every row decided; malformed rows count as decided), 1 a run that
+stopped or left retryable failures (run it again), or a verify that found problems,
+2 bad input or options (one line on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+# The dataset modules (httpx, pydantic models, datasets) load only when a dataset
+# command runs, so ``hsx serve`` needs none of the ``dataset`` extra.
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input or options: one line, exit 2."""
+    from pydantic import ValidationError
+
+    from service.dataset.endpoints import EndpointError
+    from service.dataset.estimate import EstimateError
+    from service.dataset.export import ExportError
+    from service.dataset.inputs import InputError
+    from service.dataset.manifest import FingerprintMismatchError
+    from service.dataset.session import RunError
+
+    return (
+        InputError,
+        EndpointError,
+        FingerprintMismatchError,
+        RunError,
+        EstimateError,
+        ExportError,
+        FileNotFoundError,
+        ValidationError,
+        ValueError,
+    )
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``hsx dataset`` on the ``hsx`` subcommands."""
+    dataset = commands.add_parser("dataset", help="whole datasets: run, verify, export")
+    sub = dataset.add_subparsers(dest="dataset_command", required=True)
+    _run_parser(sub.add_parser("run", help="extract every row of INPUT (resumable)"))
+    verify = sub.add_parser("verify", help="check every object of a run's manifest")
+    verify.add_argument("output", help="the run's --output")
+    _common(verify)
+    verify.set_defaults(func=_cmd_verify)
+    export = sub.add_parser("export", help="write a run in a trainer's layout")
+    export.add_argument("output", help="the run's --output")
+    export.add_argument("dest", help="a new directory for the exported dataset")
+    export.add_argument("--format", choices=["speculators"], default="speculators")
+    _common(export)
+    export.set_defaults(func=_cmd_export)
+
+
+def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
+    parser.add_argument(
+        "--endpoint",
+        action="append" if many else "store",
+        required=True,
+        help="hsx base URL" + (" (repeat to share the work)" if many else ""),
+    )
+    parser.add_argument("--api-key", default=None, help="API key (default: $HSX_API_KEY)")
+    parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint")
+
+
+def _run_parser(run: argparse.ArgumentParser) -> None:
+    run.add_argument("input", help="JSONL, JSON, Parquet, or a save_to_disk directory")
+    _common(run, many=True)
+    run.add_argument("--output", required=True, help="directory or s3://bucket/prefix")
+    run.add_argument("--loss", choices=["none", "assistant", "last_turn", "all"], default="none")
+    run.add_argument("--codec", default=None, help="raw, fp8, bf16, lossless (server's default)")
+    run.add_argument("--layers", default=None, help="comma-separated subset of layer ids")
+    run.add_argument("--max-tokens", type=int, default=1)
+    run.add_argument("--include-output-tokens", action="store_true")
+    run.add_argument("--max-length", type=int, default=None, help="default: the server's")
+    run.add_argument(
+        "--on-long",
+        choices=["skip", "truncate"],
+        default="skip",
+        help="over --max-length: skip the row, or truncate token-id rows",
+    )
+    run.add_argument("--concurrency", type=int, default=4, help="requests per endpoint")
+    run.add_argument("--batch-size", type=int, default=8, help="prompts per request")
+    run.add_argument("--retries", type=int, default=8)
+    run.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    run.add_argument("--max-consecutive-errors", type=int, default=10)
+    run.add_argument("--shard", default=None, help="I/N: the rows whose custom_id hashes to I")
+    run.add_argument("--id-column", default="custom_id")
+    run.add_argument("--force", action="store_true", help="continue a run of other settings")
+    run.add_argument("--no-progress", action="store_true")
+    run.add_argument(
+        "--estimate",
+        action="store_true",
+        help="print projected tokens, bytes and time; write nothing",
+    )
+    run.set_defaults(func=_cmd_run)
+
+
+def options_of(args: argparse.Namespace) -> Any:
+    """RunOptions from ``hsx dataset run`` arguments."""
+    from service.dataset.options import RunOptions, parse_shard
+
+    return RunOptions(
+        input=args.input,
+        endpoints=args.endpoint,
+        output=args.output,
+        api_key=args.api_key or os.environ.get("HSX_API_KEY"),
+        loss=args.loss,
+        codec=args.codec,
+        layers=[int(p) for p in args.layers.split(",")] if args.layers else None,
+        max_tokens=args.max_tokens,
+        include_output_tokens=args.include_output_tokens,
+        max_length=args.max_length,
+        on_long=args.on_long,
+        concurrency=args.concurrency,
+        batch_size=args.batch_size,
+        retries=args.retries,
+        request_timeout=args.request_timeout,
+        max_consecutive_errors=args.max_consecutive_errors,
+        shard=parse_shard(args.shard) if args.shard else None,
+        id_column=args.id_column,
+        force=args.force,
+        progress=not args.no_progress,
+        s3_endpoint_url=args.s3_endpoint_url,
+    )
+
+
+def _guarded(work: Any) -> int:
+    from pydantic import ValidationError
+
+    try:
+        return int(work())
+    except user_errors() as exc:
+        if isinstance(exc, ValidationError):
+            message = "; ".join(_field_error(e) for e in exc.errors())
+        else:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"hsx dataset: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _field_error(error: Any) -> str:
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else str(error["msg"])
+
+
+def _cmd_run(_settings: Any, args: argparse.Namespace) -> int:
+    def work() -> int:
+        from service.dataset.estimate import estimate_async
+        from service.dataset.session import run_dataset_async
+
+        options = options_of(args)
+        if args.estimate:
+            print(asyncio.run(estimate_async(options)).text())
+            return 0
+        summary = asyncio.run(run_dataset_async(options))
+        print(summary.model_dump_json(indent=2))
+        return 0 if summary.complete else 1
+
+    return _guarded(work)
+
+
+def _cmd_verify(_settings: Any, args: argparse.Namespace) -> int:
+    def work() -> int:
+        from service.dataset.verify import verify_async
+
+        key = args.api_key or os.environ.get("HSX_API_KEY")
+        report = asyncio.run(
+            verify_async(args.output, args.endpoint, key, s3_endpoint_url=args.s3_endpoint_url)
+        )
+        print(report.text())
+        return 0 if report.ok else 1
+
+    return _guarded(work)
+
+
+def _cmd_export(_settings: Any, args: argparse.Namespace) -> int:
+    def work() -> int:
+        from service.dataset.export import export_speculators_async
+
+        key = args.api_key or os.environ.get("HSX_API_KEY")
+        count = asyncio.run(
+            export_speculators_async(
+                args.output, args.dest, args.endpoint, key, s3_endpoint_url=args.s3_endpoint_url
+            )
+        )
+        print(f"exported {count} samples to {args.dest}")
+        return 0
+
+    return _guarded(work)

@@ -1,0 +1,107 @@
+"""``hsx dataset export --format speculators``: a run's objects as speculators' trainer
+reads them.
+
+The layout of speculators' ``prepare-data`` + ``data_generation_offline``: a ``datasets``
+directory (``save_to_disk``, torch format) with ``input_ids``, ``loss_mask`` and
+``seq_len`` per sample, ``hidden_states/hs_{i}.safetensors`` for sample ``i``, and
+``token_freq.pt`` (counts of the supervised token ids). ``speculators train --data-path
+DIR`` and its ``ArrowDataset`` read it unchanged. Samples are the manifest's ``ok`` rows
+in input order; each object is copied through the server (decoded to plain
+``hidden_states`` when the run used another codec), and its token ids and mask come
+from the object itself, so ids, mask and states cannot disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.dataset.endpoints import auth_headers
+from service.dataset.manifest import load_records
+from service.dataset.verify import run_stores
+
+
+class ExportError(Exception):
+    """The run cannot be exported in this format."""
+
+
+async def export_speculators_async(
+    output: str,
+    dest: str | Path,
+    endpoint: str,
+    api_key: str | None = None,
+    concurrency: int = 8,
+    s3_endpoint_url: str | None = None,
+) -> int:
+    """Write the speculators layout of ``output`` into ``dest``; returns the sample count."""
+    from datasets import Dataset  # type: ignore[import-untyped]
+
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise ExportError(f"{dest}: not empty; export into a new directory")
+    samples = []
+    for store, job in run_stores(output, s3_endpoint_url):
+        if job.fingerprint.loss == "none":
+            raise ExportError(
+                f"{store.url}: the run stored no loss masks; run it with --loss for speculators"
+            )
+        records = await asyncio.to_thread(load_records, store)
+        samples += [(job.fingerprint.codec, r) for r in records.values() if r.status == "ok"]
+    samples.sort(key=lambda pair: (pair[1].row, pair[1].custom_id))
+    (dest / "hidden_states").mkdir(parents=True)
+    columns: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    async with httpx.AsyncClient(
+        headers=auth_headers(api_key), timeout=120, follow_redirects=True
+    ) as client:
+        limit = asyncio.Semaphore(concurrency)
+
+        async def fetch(index: int, codec: str, key: str) -> tuple[list[int], list[int]]:
+            async with limit:
+                params = {"decode": "true"} if codec != "raw" else None
+                url = f"{endpoint.rstrip('/')}/objects/{key}"
+                response = await client.get(url, params=params)
+                response.raise_for_status()
+            target = dest / "hidden_states" / f"hs_{index}.safetensors"
+            return await asyncio.to_thread(_write_sample, response.content, target)
+
+        results = await asyncio.gather(
+            *(fetch(i, codec, r.key or "") for i, (codec, r) in enumerate(samples))
+        )
+    for ids, mask in results:
+        columns["input_ids"].append(ids)
+        columns["loss_mask"].append(mask)
+        columns["seq_len"].append(len(ids))
+    dataset = Dataset.from_dict(columns)
+    dataset.set_format(type="torch")
+    await asyncio.to_thread(dataset.save_to_disk, str(dest))
+    await asyncio.to_thread(_token_freq, columns, dest / "token_freq.pt")
+    return len(samples)
+
+
+def _write_sample(data: bytes, target: Path) -> tuple[list[int], list[int]]:
+    """Save the object's states and token ids as speculators' file; its ids and mask."""
+    from safetensors.torch import load, save_file
+
+    tensors = load(data)
+    mask = tensors.get("loss_mask")
+    if mask is None:
+        raise ExportError(f"{target.name}: the object holds no loss_mask")
+    save_file(
+        {"hidden_states": tensors["hidden_states"], "token_ids": tensors["token_ids"]},
+        str(target),
+    )
+    return [int(t) for t in tensors["token_ids"].tolist()], [int(m) for m in mask.tolist()]
+
+
+def _token_freq(columns: dict[str, list[Any]], path: Path) -> None:
+    """speculators' ``token_freq.pt``: {token id: count} over supervised tokens."""
+    import torch
+
+    counts: Counter[int] = Counter()
+    for ids, mask in zip(columns["input_ids"], columns["loss_mask"], strict=True):
+        counts.update(t for t, m in zip(ids, mask, strict=True) if m)
+    torch.save(dict(counts), path)

@@ -1,0 +1,179 @@
+"""The run's records: ``job.json`` (fingerprint), the manifest, errors and the summary.
+
+The manifest is the only source of "done": one JSON line per decided row, appended
+after that row's object is durable (``ok``) or once the row is known to be unusable
+(``skipped``, ``failed``). The last line of a row wins, so a retryable failure followed
+by a later success reads as a success. Objects are never listed to find what is done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.dataset.store import StateStore
+
+Status = Literal["ok", "skipped", "failed"]
+JOB = "job.json"
+SUMMARY = "summary.json"
+MANIFEST = "manifest"
+ERRORS = "errors"
+
+
+class FingerprintMismatchError(Exception):
+    """An output holds a run with other settings."""
+
+
+class Fingerprint(BaseModel):
+    """What makes two runs produce the same objects; a resume must match it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    codec: str
+    tokenizer_sha256: str | None = None
+    chat_template_sha256: str | None = None
+    loss: str
+    max_length: int
+    on_long: str
+    max_tokens: int
+    include_output_tokens: bool
+    hsx_version: str
+    shard: str | None = None
+
+
+class Job(BaseModel):
+    """``job.json``: the fingerprint and where the run reads from."""
+
+    fingerprint: Fingerprint
+    input: str
+    input_rows: int
+    created: float = Field(default_factory=time.time)
+
+
+class Record(BaseModel):
+    """One manifest line."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    row: int
+    custom_id: str
+    status: Status
+    key: str | None = None
+    num_tokens: int | None = None
+    num_loss_tokens: int | None = None
+    bytes: int | None = None
+    sha256: str | None = None
+    found: bool | None = None
+    reason: str | None = None
+    retryable: bool = False
+
+    @property
+    def final(self) -> bool:
+        """Decided for good: a resume does not send this row again."""
+        return self.status != "failed" or not self.retryable
+
+
+def load_job(store: StateStore) -> Job | None:
+    """The output's ``job.json``, or None for a new output."""
+    data = store.read(JOB)
+    return Job.model_validate_json(data) if data is not None else None
+
+
+def check_fingerprint(store: StateStore, wanted: Fingerprint, force: bool) -> None:
+    """Refuse an output whose run had another fingerprint (unless ``force``)."""
+    job = load_job(store)
+    if job is None or job.fingerprint == wanted or force:
+        return
+    old, new = job.fingerprint.model_dump(), wanted.model_dump()
+    diff = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in old if old[k] != new[k])
+    raise FingerprintMismatchError(
+        f"{store.url} holds a run with other settings ({diff}); "
+        "use another --output, or --force to continue it anyway"
+    )
+
+
+def load_records(store: StateStore) -> dict[int, Record]:
+    """The last manifest line of every row."""
+    records: dict[int, Record] = {}
+    for line in store.lines(MANIFEST):
+        record = Record.model_validate_json(line)
+        records[record.row] = record
+    return records
+
+
+def error_line(record: Record, attempts: int = 0) -> str:
+    """An ``errors.jsonl`` line for a skipped or failed row."""
+    return json.dumps(
+        {
+            "row": record.row,
+            "custom_id": record.custom_id,
+            "status": record.status,
+            "reason": record.reason,
+            "retryable": record.retryable,
+            "attempts": attempts,
+            "time": round(time.time(), 3),
+        }
+    )
+
+
+class Summary(BaseModel):
+    """``summary.json``: ok + failed + skipped (+ pending, for a stopped run) = rows."""
+
+    input_rows: int
+    ok: int
+    failed: int
+    skipped: int
+    pending: int
+    complete: bool
+    tokens: int
+    loss_tokens: int
+    bytes: int
+    objects_created: int
+    objects_found: int
+    reasons: dict[str, int]
+    stopped: str | None = None
+    elapsed_s: float = Field(0.0, description="Wall time of the last session.")
+
+
+def summarise(
+    records: dict[int, Record], input_rows: int, stopped: str | None, elapsed_s: float = 0.0
+) -> Summary:
+    """Counts over the rows of this run (its shard) from their manifest lines."""
+    counts: Counter[str] = Counter(r.status for r in records.values())
+    ok = [r for r in records.values() if r.status == "ok"]
+    reasons = Counter((r.reason or "").split(":")[0] for r in records.values() if r.status != "ok")
+    decided = counts["ok"] + counts["failed"] + counts["skipped"]
+    return Summary(
+        input_rows=input_rows,
+        ok=counts["ok"],
+        failed=counts["failed"],
+        skipped=counts["skipped"],
+        pending=input_rows - decided,
+        complete=decided == input_rows
+        and not any(not r.final for r in records.values())
+        and stopped is None,
+        tokens=sum(r.num_tokens or 0 for r in ok),
+        loss_tokens=sum(r.num_loss_tokens or 0 for r in ok),
+        bytes=sum(r.bytes or 0 for r in ok),
+        objects_created=sum(1 for r in ok if not r.found),
+        objects_found=sum(1 for r in ok if r.found),
+        reasons=dict(sorted(reasons.items())),
+        stopped=stopped,
+        elapsed_s=round(elapsed_s, 3),
+    )
+
+
+def dumps(model: BaseModel) -> bytes:
+    return (model.model_dump_json(indent=2) + "\n").encode()
+
+
+def as_dict(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

@@ -1,0 +1,69 @@
+"""The options of ``hsx dataset run`` (and of :func:`service.dataset.run_dataset`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LossMode = Literal["none", "assistant", "last_turn", "all"]
+
+
+class RunOptions(BaseModel):
+    """One run: an input, the endpoints that share it, where its state goes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(description="JSONL, JSON, Parquet file or a save_to_disk directory.")
+    endpoints: list[str] = Field(min_length=1, description="hsx base URLs sharing the work.")
+    output: str = Field(description="Directory or s3://bucket/prefix for the run's state.")
+    api_key: str | None = None
+    loss: LossMode = "none"
+    codec: str | None = Field(None, description="Sent as the request's codec when given.")
+    layers: list[int] | None = Field(None, description="Sent as the request's layers.")
+    max_tokens: int = Field(1, ge=1)
+    include_output_tokens: bool = False
+    max_length: int | None = Field(
+        None, ge=1, description="Longest prompt in tokens (default: the server's limit)."
+    )
+    on_long: Literal["skip", "truncate"] = "skip"
+    concurrency: int = Field(4, ge=1, description="Requests in flight per endpoint.")
+    batch_size: int = Field(8, ge=1, description="Prompts per request.")
+    retries: int = Field(8, ge=0, description="Retries of a prompt after transient errors.")
+    request_timeout: float = Field(600.0, gt=0, description="Deadline of one request (s).")
+    max_consecutive_errors: int = Field(
+        10, ge=1, description="Errors in a row after which an endpoint is dropped."
+    )
+    shard: tuple[int, int] | None = Field(None, description="(index, count): this shard only.")
+    id_column: str = "custom_id"
+    metadata: dict[str, str] = Field(default_factory=dict)
+    force: bool = False
+    progress: bool = True
+    s3_endpoint_url: str | None = None
+    backoff_base_s: float = Field(0.5, gt=0)
+    backoff_max_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> RunOptions:
+        if self.shard is not None:
+            index, count = self.shard
+            if count < 1 or not 0 <= index < count:
+                raise ValueError(f"shard {index}/{count}: need 0 <= I < N")
+        return self
+
+    def endpoint_urls(self) -> list[str]:
+        return [url.rstrip("/") for url in self.endpoints]
+
+    def shard_name(self) -> str | None:
+        """The shard's directory under the output (``shard-00001-of-00004``)."""
+        if self.shard is None:
+            return None
+        return f"shard-{self.shard[0]:05d}-of-{self.shard[1]:05d}"
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``I/N`` as a pair; ValueError otherwise."""
+    index, sep, count = text.partition("/")
+    if not sep:
+        raise ValueError(f"--shard {text!r}: expected I/N, e.g. 0/4")
+    return int(index), int(count)

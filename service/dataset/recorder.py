@@ -1,0 +1,50 @@
+"""The run's manifest and error lines, buffered and flushed to its store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from service.dataset.manifest import ERRORS, MANIFEST, Record, error_line
+from service.dataset.progress import Counters
+from service.dataset.store import StateStore
+
+
+class Recorder:
+    """Manifest and error lines, buffered and flushed to the store off the event loop."""
+
+    def __init__(self, store: StateStore, records: dict[int, Record], counters: Counters) -> None:
+        self.store, self.records, self.counters = store, records, counters
+        self.manifest: list[str] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.flushed = time.monotonic()
+
+    def add(self, record: Record, attempts: int = 0) -> None:
+        self.records[record.row] = record
+        self.manifest.append(record.model_dump_json(exclude_none=True))
+        if record.status != "ok":
+            self.errors.append(error_line(record, attempts))
+        count_record(self.counters, record)
+
+    def flush(self, force: bool = True) -> None:
+        """Write the buffered lines (unless the store's interval has not passed)."""
+        if not force and time.monotonic() - self.flushed < self.store.flush_interval_s:
+            return
+        self.flushed = time.monotonic()
+        with self.lock:  # a cancelled to_thread keeps running: never two flushes at once
+            manifest, self.manifest = self.manifest, []
+            errors, self.errors = self.errors, []
+            self.store.append(MANIFEST, manifest)
+            self.store.append(ERRORS, errors)
+
+
+def count_record(counters: Counters, record: Record) -> None:
+    if record.status == "ok":
+        counters.ok += 1
+        counters.tokens += record.num_tokens or 0
+        counters.bytes += record.bytes or 0
+    elif record.status == "failed":
+        counters.failed += 1
+    else:
+        counters.skipped += 1

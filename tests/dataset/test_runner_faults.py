@@ -1,0 +1,335 @@
+"""The runner's handling of faults a real server produces only by chance (429 under
+load, 503 while draining, one bad prompt in a batch), injected by scripted hsx stand-ins
+over real HTTP. The real servers are in test_dataset_e2e.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.dataset import RunOptions, run_dataset
+
+Reply = tuple[int, dict[str, str], dict[str, Any]]
+MODEL = {
+    "id": "tiny",
+    "object": "model",
+    "layer_ids": [1, 2],
+    "hidden_size": 4,
+    "dtype": "float32",
+    "max_model_len": 64,
+    "storage_backend": "file",
+}
+
+
+def stored(body: dict[str, Any]) -> Reply:
+    """What hsx answers when every prompt's object is durable."""
+    objects = []
+    for index, prompt in enumerate(body["prompts"]):
+        ids = prompt["token_ids"]
+        digest = hashlib.sha256(prompt["custom_id"].encode()).hexdigest()
+        objects.append(
+            {"index": index, "key": f"hsx/t/by-id/{digest[:2]}/{digest}.safetensors",
+             "uri": "file:///x", "num_tokens": len(ids), "shape": [len(ids), 2, 4],
+             "bytes": 100 + len(ids), "sha256": digest, "status": "created"}
+        )  # fmt: skip
+    return 200, {}, {"objects": objects}
+
+
+class Scripted:
+    """An hsx stand-in on 127.0.0.1 whose /extract answers come from ``script``."""
+
+    def __init__(self, script: Callable[[dict[str, Any]], Reply]) -> None:
+        self.script = script
+        self.bodies: list[dict[str, Any]] = []
+        self.tokenized: list[dict[str, Any]] = []
+        self.objects: dict[str, bytes] = {}
+        self.tokenize: Callable[[dict[str, Any]], Reply] = lambda body: (404, {}, {})
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/objects/"):
+                    data = owner.objects.get(self.path.removeprefix("/objects/"))
+                    if data is None:
+                        self.reply(404, {}, {"error": {"type": "not_found"}})
+                        return
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                elif self.path == "/v1/models":
+                    self.reply(200, {}, {"object": "list", "data": [MODEL]})
+                else:
+                    self.reply(200, {}, {"version": "0.1.0", "vllm": "0.32.0"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":  # vLLM's shape: {"model", "prompt"|"messages"}
+                    owner.tokenized.append(body)
+                    self.reply(*owner.tokenize(body))
+                    return
+                owner.bodies.append(body)
+                self.reply(*owner.script(body))
+
+            def reply(self, status: int, headers: dict[str, str], body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                for name, value in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def prompts(self) -> int:
+        return sum(len(b["prompts"]) for b in self.bodies)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[[Callable[[dict[str, Any]], Reply]], Scripted]]:
+    made: list[Scripted] = []
+
+    def make(script: Callable[[dict[str, Any]], Reply]) -> Scripted:
+        made.append(Scripted(script))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def rows_file(tmp_path: Path, count: int, long: set[int] = frozenset()) -> Path:  # type: ignore[assignment]
+    path = tmp_path / "rows.jsonl"
+    lines = [
+        json.dumps({"token_ids": list(range(3, 3 + (100 if i in long else 5 + i % 7))), "n": i})
+        for i in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def options(tmp_path: Path, urls: list[str], **extra: Any) -> RunOptions:
+    return RunOptions(
+        input=str(rows_file(tmp_path, 40, long={7})),
+        endpoints=urls,
+        output=str(tmp_path / "out"),
+        progress=False,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        **extra,
+    )
+
+
+def manifest(tmp_path: Path) -> dict[int, dict[str, Any]]:
+    lines = (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()
+    return {json.loads(line)["row"]: json.loads(line) for line in lines}
+
+
+def test_a_busy_endpoint_is_left_alone_for_retry_after(tmp_path: Path, servers: Any) -> None:
+    busy = servers(lambda body: (429, {"Retry-After": "60"}, {"error": {"type": "overloaded"}}))
+    good = servers(stored)
+    summary = run_dataset(options(tmp_path, [busy.url, good.url], concurrency=2))
+    assert (summary.ok, summary.skipped, summary.failed, summary.complete) == (39, 1, 0, True)
+    # Each of the busy endpoint's two workers asked once, then waited out Retry-After
+    # while the other endpoint did all the work (the prompts went back to the queue).
+    assert len(busy.bodies) == 2
+    assert good.prompts() == 39
+    assert manifest(tmp_path)[7]["reason"] == "too_long: 100 > 63"
+
+
+def test_a_failing_endpoint_is_dropped_and_its_prompts_go_elsewhere(
+    tmp_path: Path, servers: Any
+) -> None:
+    third_failure = threading.Event()
+
+    def failing(body: dict[str, Any]) -> Reply:
+        if len(down.bodies) >= 3:
+            third_failure.set()
+        return 503, {}, {"error": {"type": "unavailable", "message": "x"}}
+
+    def after_the_drop(body: dict[str, Any]) -> Reply:
+        third_failure.wait(30)  # hold the healthy one until the other has failed 3 times
+        return stored(body)
+
+    down = servers(failing)
+    good = servers(after_the_drop)
+    summary = run_dataset(
+        options(tmp_path, [down.url, good.url], max_consecutive_errors=3, concurrency=1)
+    )
+    assert (summary.ok, summary.complete) == (39, True)
+    assert len(down.bodies) == 3  # dropped after three errors in a row, never asked again
+    sent = [p["custom_id"] for b in good.bodies for p in b["prompts"]]
+    assert len(sent) == len(set(sent)) == 39  # each prompt stored once
+
+
+def test_a_run_whose_servers_are_gone_stops_then_resumes(tmp_path: Path, servers: Any) -> None:
+    calls = {"n": 0}
+
+    def flaky(body: dict[str, Any]) -> Reply:
+        calls["n"] += 1
+        if calls["n"] > 2:  # two batches stored, then the server "dies"
+            return 503, {}, {"error": {"type": "engine_unavailable", "message": "dead"}}
+        return stored(body)
+
+    server = servers(flaky)
+    first = run_dataset(options(tmp_path, [server.url], concurrency=1, max_consecutive_errors=4))
+    assert first.stopped is not None
+    assert "every endpoint failed 4 times in a row" in first.stopped
+    assert not first.complete
+    assert first.ok == 16
+    assert first.ok + first.failed + first.skipped + first.pending == 40
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["pending"] == first.pending
+
+    healthy = servers(stored)
+    second = run_dataset(options(tmp_path, [healthy.url]))
+    assert (second.ok, second.skipped, second.complete) == (39, 1, True)
+    resent = {p["custom_id"] for b in healthy.bodies for p in b["prompts"]}
+    done_before = {r["custom_id"] for r in manifest(tmp_path).values() if r.get("key")}
+    assert len(resent) == 39 - 16  # only what the manifest did not hold
+    assert len(done_before) == 39
+
+
+def test_one_refused_prompt_fails_alone(tmp_path: Path, servers: Any) -> None:
+    def picky(body: dict[str, Any]) -> Reply:
+        for index, prompt in enumerate(body["prompts"]):
+            if prompt["token_ids"][-1] == 3 + 5 + 3 - 1:  # rows with 8 tokens
+                error = {"type": "invalid_request", "message": f"prompts[{index}]: no",
+                         "field": f"prompts[{index}]", "index": index}  # fmt: skip
+                return 422, {}, {"error": error}
+        return stored(body)
+
+    server = servers(picky)
+    summary = run_dataset(options(tmp_path, [server.url]))
+    refused = {row for row, r in manifest(tmp_path).items() if r["status"] == "failed"}
+    assert refused == {i for i in range(40) if 5 + i % 7 == 8 and i != 7}
+    assert summary.ok == 40 - 1 - len(refused)
+    assert all(
+        manifest(tmp_path)[row]["reason"].startswith("refused: 422 invalid_request: prompts[")
+        for row in refused
+    )
+    errors = (tmp_path / "out" / "errors.jsonl").read_text().splitlines()
+    assert len(errors) == len(refused) + 1
+
+
+def test_truncate_cuts_token_rows_to_the_limit(tmp_path: Path, servers: Any) -> None:
+    server = servers(stored)
+    summary = run_dataset(options(tmp_path, [server.url], max_length=20, on_long="truncate"))
+    assert (summary.ok, summary.skipped) == (40, 0)
+    assert manifest(tmp_path)[7]["num_tokens"] == 20
+    lengths = {len(p["token_ids"]) for b in server.bodies for p in b["prompts"]}
+    assert max(lengths) == 20
+
+
+def test_estimate_tokenises_a_sample_and_writes_nothing(tmp_path: Path, servers: Any) -> None:
+    from service.dataset import estimate_dataset
+
+    server = servers(stored)
+    chats = tmp_path / "chats.jsonl"
+    turn = {"role": "user", "content": "hello there"}
+    chats.write_text("".join(json.dumps({"messages": [turn], "n": i}) + "\n" for i in range(30)))
+    run = RunOptions(input=str(chats), endpoints=[server.url], output=str(tmp_path / "out"))
+    server.tokenize = lambda body: (200, {}, {"count": 12, "max_model_len": 64, "tokens": []})
+    result = estimate_dataset(run, sample=10)
+    assert (result.rows, result.sampled, result.projected_tokens) == (30, 10, 360)
+    # [tokens, 2 layers, 4 wide] float32 states + int64 token ids per token.
+    assert result.projected_bytes == 360 * (2 * 4 * 4 + 8)
+    assert server.tokenized[0] == {
+        "model": "tiny", "messages": [turn], "add_generation_prompt": True
+    }  # fmt: skip
+    assert server.bodies == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_estimate_needs_tokenize(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    server = servers(stored)
+    path = rows_file(tmp_path, 3)
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"text": "a"}\n')
+    code = main(["dataset", "run", str(text), "--endpoint", server.url, "--output",
+                 str(tmp_path / "out"), "--estimate"])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hsx dataset: error: {server.url} has no POST /tokenize; cannot estimate"
+    )
+    assert path.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def safetensors_object(ids: list[int], states: Any = None) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    hidden = torch.ones(len(ids), 2, 4) if states is None else states
+    return bytes(save({"hidden_states": hidden, "token_ids": torch.tensor(ids)}))
+
+
+def test_verify_reports_every_kind_of_problem(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from service.cli import main
+
+    def storing(body: dict[str, Any]) -> Reply:
+        status, headers, reply = stored(body)
+        for obj, prompt in zip(reply["objects"], body["prompts"], strict=True):
+            data = safetensors_object(prompt["token_ids"])
+            server.objects[obj["key"]] = data
+            obj.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        return status, headers, reply
+
+    server = servers(storing)
+    run = options(tmp_path, [server.url])
+    assert run_dataset(run).complete
+    out = str(tmp_path / "out")
+    assert main(["dataset", "verify", out, "--endpoint", server.url]) == 0
+    assert "verified 39 objects of 40 manifest rows (0 failed, 1 skipped rows): 0 problems" in (
+        capsys.readouterr().out
+    )
+
+    rows = manifest(tmp_path)
+    key = {row: r.get("key") for row, r in rows.items()}
+    del server.objects[key[0]]  # gone
+    server.objects[key[1]] = server.objects[key[1]][:-4] + b"\0\0\0\0"  # bytes changed
+    nan = torch.ones(rows[2]["num_tokens"], 2, 4)
+    nan[0, 0, 0] = float("nan")
+    server.objects[key[2]] = safetensors_object(list(range(3, 3 + rows[2]["num_tokens"])), nan)
+    other = safetensors_object([9] * rows[3]["num_tokens"])  # other token ids
+    server.objects[key[3]] = other
+    fixed = [  # the manifest says these checksums, so only the contents are wrong
+        {**rows[2], "sha256": hashlib.sha256(server.objects[key[2]]).hexdigest()},
+        {**rows[3], "sha256": hashlib.sha256(other).hexdigest()},
+    ]
+    with (tmp_path / "out" / "manifest.jsonl").open("a") as handle:
+        handle.write("".join(json.dumps(r) + "\n" for r in fixed))
+    assert main(["dataset", "verify", out, "--endpoint", server.url]) == 1
+    report = capsys.readouterr().out.splitlines()
+    assert report[0].endswith(": 4 problems")
+    assert sorted(report[1:]) == sorted([
+        f"row 0 ({key[0]}): GET answered 404",
+        f"row 1 ({key[1]}): checksum differs from the manifest",
+        f"row 2 ({key[2]}): hidden_states hold NaN or Inf",
+        f"row 3 ({key[3]}): token_ids differ from the input row",
+    ])  # fmt: skip
