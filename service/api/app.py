@@ -17,7 +17,7 @@ from service.api.body_limit import BodyLimitMiddleware
 from service.api.deps import caller_namespace
 from service.api.errors import install_error_handlers
 from service.api.metrics import ExtractMetrics, build_info
-from service.api.routes import extract, meta, objects
+from service.api.routes import extract, meta, objects, openai
 from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
@@ -91,6 +91,7 @@ def create_app(
     app.include_router(meta.private, **protected)
     app.include_router(extract.router, **protected)
     app.include_router(objects.router, **protected)
+    app.include_router(openai.router, **protected)
     return app
 
 
