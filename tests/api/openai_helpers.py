@@ -49,3 +49,21 @@ def assert_durable(
     model = engine.extractor.settings.engine.model
     layers = engine.extractor.layer_ids
     assert_object_matches(data, model, token_ids, layers, as_extraction(params))
+
+
+def vllm_render(engine: ServerThread, **request: Any) -> list[int]:
+    """Token ids from a direct call of vLLM's own chat renderer (``OnlineRenderer``,
+    as ``vllm serve`` builds it) on the engine's model: the reference for hsx's render."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    llm = engine.extractor.engine
+    renderer = OnlineRenderer(
+        model_config=llm.model_config,
+        renderer=llm.renderer,
+        request_logger=None,
+        chat_template=None,
+        chat_template_content_format="auto",
+    )
+    _, (rendered,) = engine.call(renderer.render_chat(ChatCompletionRequest(**request)))
+    return list(rendered["prompt_token_ids"])

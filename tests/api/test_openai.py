@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.api.conftest import AUTH_A, KEY_A, ServerThread
-from tests.api.openai_helpers import assert_durable
+from tests.api.openai_helpers import assert_durable, vllm_render
 from tests.engine.conftest import random_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -153,24 +153,13 @@ def test_render_and_tokenize_equal_vllms_renderer(
     client: httpx.Client, local_engine: ServerThread
 ) -> None:
     """hsx answers with vLLM's own renderer; compare with a direct call of it."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.renderers.online_renderer import OnlineRenderer
-
-    engine = local_engine.extractor.engine
-    renderer = OnlineRenderer(
-        model_config=engine.model_config,
-        renderer=engine.renderer,
-        request_logger=None,
-        chat_template=None,
-        chat_template_content_format="auto",
-    )
     body = {"messages": CONVERSATION, "add_generation_prompt": True}
-    _, (direct,) = local_engine.call(renderer.render_chat(ChatCompletionRequest(**body)))
+    direct = vllm_render(local_engine, **body)
     response = client.post("/v1/chat/completions/render", json=body, headers=AUTH_A)
     assert response.status_code == 200, response.text
-    assert response.json()["token_ids"] == direct["prompt_token_ids"]
+    assert response.json()["token_ids"] == direct
     tokenized = client.post("/tokenize", json=body, headers=AUTH_A).json()
-    assert tokenized["tokens"] == direct["prompt_token_ids"]
+    assert tokenized["tokens"] == direct
     assert tokenized["max_model_len"] == 512
 
     ids = random_prompts([12], seed=33)[0]
