@@ -52,14 +52,16 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_exception(cls, exc: Exception) -> OpenAIError:
-        """An exception of vLLM's renderer, classified as vLLM's server does."""
+        """An exception of vLLM's renderer, classified as vLLM's server does (a prompt
+        over max_model_len is a 400 with ``param`` ``input_tokens``, as from vLLM)."""
         from vllm.entrypoints.serve import create_error_response
 
         return cls.from_vllm(create_error_response(exc))
 
     @classmethod
     def from_api_error(cls, error: ApiError, prompt_field: str) -> OpenAIError:
-        """hsx's refusal in this dialect; ``prompts...`` fields become ``prompt_field``."""
+        """hsx's refusal in this dialect; ``prompts...`` fields become ``prompt_field``
+        (``prompt``, ``prompt[]`` for a list of prompts, or ``messages``)."""
         detail = error.detail
         param, message = detail.field, detail.message
         if param is not None and param.startswith("prompts"):
@@ -73,11 +75,15 @@ class OpenAIError(Exception):
 
 
 def _rename(field: str, prompt_field: str) -> str:
-    """``prompts[2].token_ids`` -> ``prompt[2]`` (or ``messages``): the client's names."""
-    if prompt_field == "messages":
-        return "messages"
+    """``prompts[2].token_ids`` -> ``prompt[2]``: the client's name for the prompt.
+
+    ``prompt_field`` ending in ``[]`` means the client sent a list of prompts.
+    """
+    base = prompt_field.removesuffix("[]")
     found = re.match(r"prompts\[(\d+)\]", field)
-    return f"{prompt_field}[{found.group(1)}]" if found else prompt_field
+    if found and prompt_field.endswith("[]"):
+        return f"{base}[{found.group(1)}]"
+    return base
 
 
 class OpenAIRoute(APIRoute):
@@ -100,11 +106,19 @@ class OpenAIRoute(APIRoute):
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first = exc.errors()[0]
     parts = [p for p in first.get("loc", ()) if p != "body"]
-    # Union branches pydantic tried ("list[int]", "str") say nothing to the client.
-    names = [p for p in parts if isinstance(p, int) or p.isidentifier()]
+    # Union branches pydantic tried ("ChatCompletionUserMessageParam", "list[int]",
+    # "str") say nothing to the client: keep indices and snake_case field names.
+    names = [p for p in parts if isinstance(p, int) or _is_field_name(p)]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in names).lstrip(".")
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return OpenAIError(400, f"{param}: {message}" if param else message, param=param or None)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_field_name(part: str) -> bool:
+    return re.fullmatch(r"[a-z_][a-z0-9_]*", part) is not None and part not in _TYPE_NAMES
 
 
 @dataclass(frozen=True)

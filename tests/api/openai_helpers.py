@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +68,12 @@ def vllm_render(engine: ServerThread, **request: Any) -> list[int]:
     )
     _, (rendered,) = engine.call(renderer.render_chat(ChatCompletionRequest(**request)))
     return list(rendered["prompt_token_ids"])
+
+
+def wait_until_idle(engine: ServerThread, limit_s: float = 10) -> float:
+    """Seconds until the engine has no request left (fails past ``limit_s``)."""
+    start = time.monotonic()
+    while engine.unfinished():
+        assert time.monotonic() - start < limit_s, "engine requests were not aborted"
+        time.sleep(0.02)
+    return time.monotonic() - start

@@ -77,10 +77,13 @@ async def completions(
     body: CompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> JSONResponse:
     """Hidden states of each prompt (token ids or text); answers once objects are durable."""
-    vllm, max_tokens = await _checked(request, state, body, _prompt_count(body.prompt))
+    many = _is_list_of_prompts(body.prompt)
+    field = "prompt[]" if many else "prompt"
+    count = len(body.prompt) if many else 1
+    vllm, max_tokens = await _checked(request, state, body, count, field)
     rendered = await _vllm(vllm.render.render_completion_request(body, request))
     prompts = [list(r.token_ids) for r in rendered]
-    outcomes = await _extract(request, state, namespace, prompts, max_tokens, "prompt")
+    outcomes = await _extract(request, state, namespace, prompts, max_tokens, field)
     ids = bool(body.return_token_ids)
     choices = [
         CompletionResponseChoice(
@@ -107,7 +110,7 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> JSONResponse:
     """Hidden states of the rendered conversation; answers once the object is durable."""
-    vllm, max_tokens = await _checked(request, state, body, 1, "max_completion_tokens")
+    vllm, max_tokens = await _checked(request, state, body, 1, "messages")
     rendered = await _vllm(vllm.render.render_chat_request(body, request))
     prompt = list(rendered.token_ids)
     (outcome,) = await _extract(request, state, namespace, [prompt], max_tokens, "messages")
@@ -159,7 +162,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
 
 
 async def _checked(
-    request: Request, state: ApiState, body: Any, prompts: int, *extra_names: str
+    request: Request, state: ApiState, body: Any, prompts: int, prompt_field: str
 ) -> tuple[VllmFrontEnd, int]:
     """Checks before rendering: the model (404), refused fields, prompt and token limits."""
     vllm = front_end(request)
@@ -169,7 +172,7 @@ async def _checked(
     assert state.metrics is not None
     try:
         refuse_unsupported(body)
-        max_tokens = requested_max_tokens(body, *extra_names, "max_tokens")
+        max_tokens = requested_max_tokens(body, "max_completion_tokens", "max_tokens")
         placeholder = ExtractRequest.model_construct(prompts=[""] * prompts, max_tokens=max_tokens)
         check_request_limits(placeholder, state.settings.limits)
     except OpenAIError:
@@ -177,17 +180,17 @@ async def _checked(
         raise
     except ApiError as error:
         state.metrics.rejected(error.detail.type)
-        raise OpenAIError.from_api_error(error, "prompt") from None
+        raise OpenAIError.from_api_error(error, prompt_field) from None
     return vllm, max_tokens
 
 
 async def _vllm(work: Awaitable[T]) -> T:
     """A call into vLLM's renderer; its errors become OpenAI errors, as in ``vllm serve``."""
-    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.exceptions import VLLMClientError
 
     try:
         result = await work
-    except (ValueError, TypeError, OverflowError, NotImplementedError) as exc:
+    except (VLLMClientError, ValueError, TypeError, OverflowError, NotImplementedError) as exc:
         raise OpenAIError.from_exception(exc) from None
     if isinstance(result, ErrorResponse):
         raise OpenAIError.from_vllm(result)
@@ -217,11 +220,9 @@ async def _extract(
     return outcomes
 
 
-def _prompt_count(prompt: Any) -> int:
-    """Prompts in a completion request: a string or a token list is one."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return len(prompt)
-    return 1
+def _is_list_of_prompts(prompt: Any) -> bool:
+    """A list of strings or of token lists (a string or one token list is one prompt)."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 def _text(state: ApiState, token_ids: tuple[int, ...], skip_special_tokens: bool) -> str:
