@@ -87,9 +87,15 @@ def _rename(field: str, prompt_field: str) -> str:
 
 
 class OpenAIRoute(APIRoute):
-    """Answers body validation errors and ``OpenAIError`` in the OpenAI shape (400)."""
+    """Answers body validation errors and ``OpenAIError`` in the OpenAI shape (400).
+
+    vLLM's request models raise its own client errors from their validators (an empty
+    prompt, say), which pydantic lets through: they get vLLM's answer too.
+    """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        from vllm.exceptions import VLLMClientError
+
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
@@ -99,6 +105,8 @@ class OpenAIRoute(APIRoute):
                 return error.response()
             except RequestValidationError as exc:
                 return _validation_error(exc).response()
+            except VLLMClientError as exc:
+                return OpenAIError.from_exception(exc).response()
 
         return route
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,6 +16,20 @@ from tests.api.conftest import KEY_A, KEY_A2, ServerThread
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 A_KEY = "hsx/team-a/2026/01/01/" + "0" * 32 + ".safetensors"
+MESSAGES = [{"role": "user", "content": "x"}]
+#: A valid body per route (default: /extract's), so a right key gets a 2xx.
+BODIES: dict[str, Any] = {
+    "/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 1},
+    "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
+    "/v1/chat/completions/render": {"messages": MESSAGES},
+    "/v1/completions/render": {"prompt": "x"},
+    "/tokenize": {"prompt": "x"},
+    "/detokenize": {"tokens": [1, 2]},
+}
+
+
+def body_for(path: str) -> Any:
+    return BODIES.get(path, {"prompts": ["x"]})
 
 
 def routes(local_engine: ServerThread) -> list[tuple[str, str]]:
@@ -36,6 +51,7 @@ def test_every_route_but_the_probes_needs_a_key(local_url: str, local_engine: Se
         "/version",
         "/v1/models",
         f"/objects/{A_KEY}",
+        *BODIES,
         *PUBLIC_PATHS,
     }
     for method, path in served:
@@ -45,7 +61,7 @@ def test_every_route_but_the_probes_needs_a_key(local_url: str, local_engine: Se
             {"Authorization": f"Basic {KEY_A}"},
         ):
             response = httpx.request(
-                method, f"{local_url}{path}", headers=headers, json={"prompts": ["x"]}, timeout=60
+                method, f"{local_url}{path}", headers=headers, json=body_for(path), timeout=60
             )
             if path in PUBLIC_PATHS:
                 assert response.status_code != 401, (method, path)
@@ -61,7 +77,7 @@ def test_right_keys_open_every_route(local_url: str, local_engine: ServerThread,
         response = httpx.request(
             method,
             f"{local_url}{path}",
-            json={"prompts": ["x"]},
+            json=body_for(path),
             headers={"Authorization": f"Bearer {key}"},
             timeout=60,
         )

@@ -38,6 +38,7 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
     ("stop", CMPL, {"prompt": IDS, "stop": ["fox"]}, 400, "stop"),
     ("unknown model", CMPL, {"prompt": IDS, "model": "gpt-4"}, 404, "model"),
     ("prompt type", CMPL, {"prompt": 5}, 400, "prompt"),
+    ("empty prompt", CMPL, {"prompt": ""}, 400, "prompt"),
     ("max_tokens 0", CMPL, {"prompt": IDS, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens over limit", CMPL, {"prompt": IDS, "max_tokens": 65}, 400, "max_tokens"),
     ("too many prompts", CMPL, {"prompt": [IDS] * 9}, 400, "prompt"),

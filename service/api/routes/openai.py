@@ -48,7 +48,7 @@ from service.api.openai_protocol import (
 from service.api.openai_vllm import VllmFrontEnd, front_end
 from service.api.prompts import check_request_limits
 from service.api.routes.extract import execute, raise_failures
-from service.api.schemas import ExtractRequest, PromptObject
+from service.api.schemas import ErrorBody, ExtractRequest, PromptObject
 from service.api.state import ApiState
 
 router = APIRouter(route_class=OpenAIRoute, tags=["openai"])
@@ -59,17 +59,22 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     described = {
         400: "Invalid request, an unsupported field, or a limit exceeded (`param` names it)",
         404: "The model is not the served one",
-        413: "Body over the size limit",
         429: "Too much work queued; retry after Retry-After",
-        502: "Some objects could not be written",
+        502: "Some objects could not be written (`objects` lists every prompt's fate)",
         503: "Engine unavailable or shutting down",
         504: "Request deadline passed; its work was aborted",
     }
-    return {s: {"model": ErrorResponse, "description": described[s]} for s in statuses}
+    return {
+        **{s: {"model": ErrorResponse, "description": described[s]} for s in statuses},
+        # Refused while reading, before any route: hsx's own error shape.
+        413: {"model": ErrorBody, "description": "Body over the size limit"},
+        # Validation errors are 400 here (vLLM's dialect), never FastAPI's 422.
+        "4XX": {"model": ErrorResponse, "description": "Any other client error"},
+    }
 
 
-RENDER = _errors(400, 404, 413)
-EXTRACT = _errors(400, 404, 413, 429, 502, 503, 504)
+RENDER = _errors(400, 404)
+EXTRACT = _errors(400, 404, 429, 502, 503, 504)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=EXTRACT)
