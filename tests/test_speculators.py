@@ -272,6 +272,14 @@ def s3_hsx(model_dir: Any, s3_endpoint: str) -> Iterator[Any]:
     thread.close()
 
 
+def transfer_params_of(hsx: Any, ids: list[int]) -> dict[str, Any]:
+    import openai
+
+    with openai.OpenAI(base_url=f"{hsx.url}/v1", api_key="EMPTY", max_retries=0) as client:
+        done = client.completions.create(model=hsx.extractor.info.name, prompt=ids, max_tokens=1)
+    return dict(done.model_extra["kv_transfer_params"])
+
+
 def test_arrow_dataset_generates_through_hsx_on_s3(
     generated: Path, prepared: Path, s3_hsx: Any, s3_admin: Any, work: Path
 ) -> None:
@@ -282,6 +290,11 @@ def test_arrow_dataset_generates_through_hsx_on_s3(
     )
     assert_samples_equal_files(ds, generated, prepared)
     assert counter(s3_hsx.url, PROMPTS) == 6
+    # What speculators read: the object's s3:// URI as hidden_states_path, its key as handle.
+    params = transfer_params_of(s3_hsx, ids=[5, 6, 7])
+    assert params["hidden_states_path"] == f"s3://{BUCKET}/spec/{params['handle']}"
+    transfer.get_generated(params)
+    transfer.delete(params["hidden_states_path"])
     # Read through GET /objects (S3's presigned redirect), then deleted through the API.
     assert s3_admin.list_objects_v2(Bucket=BUCKET).get("KeyCount") == 0
     assert not (fresh / "hidden_states").exists()
