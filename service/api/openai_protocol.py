@@ -191,7 +191,11 @@ def refuse_unsupported(body: Any) -> None:
 
 
 def requested_max_tokens(body: Any, *names: str) -> int:
-    """``max_tokens`` as sent; hsx's default of 1 (not vLLM's 16) when absent."""
+    """The first of ``names`` the client sent, else 1.
+
+    Completions always have one: vLLM's model fills in its default of 16. Chat's
+    default in vLLM is the rest of the context; hsx's is 1, as on ``/extract``.
+    """
     for name in names:
         value = _value(body, name)
         if name in body.model_fields_set and value is not None:

@@ -28,8 +28,10 @@ class VllmFrontEnd:
         """The helpers for ``engine`` (an ``AsyncLLM``) serving ``model_name``.
 
         The same construction as vLLM's render server (``init_render_app_state``)
-        with ``vllm serve``'s defaults: the model's own chat template, no tool or
-        reasoning parser, no request-supplied templates.
+        with ``vllm serve``'s defaults (the model's own chat template, no tool or
+        reasoning parser, no request-supplied templates), except that ``tools``
+        with the default ``tool_choice="auto"`` are rendered, as with
+        ``--enable-auto-tool-choice``: hsx renders prompts and never parses output.
         """
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
         from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
@@ -48,6 +50,7 @@ class VllmFrontEnd:
             request_logger=None,
             chat_template=None,
             chat_template_content_format="auto",
+            enable_auto_tools=True,
         )
         tokenization = ServingTokenization(
             registry, renderer, chat_template=None, chat_template_content_format="auto"

@@ -54,7 +54,8 @@ def assert_durable(
 
 def vllm_render(engine: ServerThread, **request: Any) -> list[int]:
     """Token ids from a direct call of vLLM's own chat renderer (``OnlineRenderer``,
-    as ``vllm serve`` builds it) on the engine's model: the reference for hsx's render."""
+    as ``vllm serve --enable-auto-tool-choice`` builds it) on the engine's model: the
+    reference for hsx's render."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.renderers.online_renderer import OnlineRenderer
 
@@ -65,6 +66,7 @@ def vllm_render(engine: ServerThread, **request: Any) -> list[int]:
         request_logger=None,
         chat_template=None,
         chat_template_content_format="auto",
+        enable_auto_tools=True,
     )
     _, (rendered,) = engine.call(renderer.render_chat(ChatCompletionRequest(**request)))
     return list(rendered["prompt_token_ids"])

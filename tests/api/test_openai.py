@@ -171,3 +171,54 @@ def test_render_and_tokenize_equal_vllms_renderer(
         assert [r["token_ids"] for r in rendered.json()] == want
     text = client.post("/detokenize", json={"tokens": ids}, headers=AUTH_A).json()["prompt"]
     assert text == tokenizer.decode(ids)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "The user wants the weather.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]},
+]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": TOOLS},
+        {"continue_final_message": True, "add_generation_prompt": False},
+        {"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False},
+        {"truncate_prompt_tokens": 8, "truncation_side": "right"},
+    ],
+    ids=["tools", "continue_final_message", "chat_template_kwargs", "truncation"],
+)
+def test_chat_fields_render_as_vllm_renders_them(
+    client: httpx.Client, local_engine: ServerThread, extra: dict[str, Any]
+) -> None:
+    body = {"messages": TOOL_CONVERSATION, **extra}
+    direct = vllm_render(local_engine, **body)
+    response = client.post("/v1/chat/completions/render", json=body, headers=AUTH_A)
+    assert response.status_code == 200, response.text
+    assert response.json()["token_ids"] == direct
+    if "truncate_prompt_tokens" in extra:
+        assert len(direct) == 8
