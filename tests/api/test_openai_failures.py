@@ -68,13 +68,14 @@ def test_storage_failure_is_502_without_keys_for_lost_objects(
 ) -> None:
     lengths = [4, 5, 6, 7]  # odd token counts fail in the "flaky" namespace
     body = {"prompt": random_prompts(lengths, seed=52), "max_tokens": 1}
+    before = objects_under(local_engine.root, "flaky-team")  # type: ignore[attr-defined]
     response = client.post("/v1/completions", json=body, headers=AUTH_FLAKY)
     assert response.status_code == 502
     data = response.json()
     assert data["error"]["type"] == "storage_error"
     assert data["error"]["code"] == 502
     assert "kv_transfer_params" not in data
-    stored = objects_under(local_engine.root, "flaky-team")  # type: ignore[attr-defined]
+    stored = objects_under(local_engine.root, "flaky-team") - before  # type: ignore[attr-defined]
     for outcome, length in zip(data["objects"], lengths, strict=True):
         if length % 2:
             assert "key" not in outcome

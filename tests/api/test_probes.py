@@ -32,9 +32,11 @@ def test_draining_app_is_not_ready_and_refuses_work(local_engine: ServerThread) 
 def test_models_and_version(client: httpx.Client, local_engine: ServerThread) -> None:
     card = client.get("/v1/models", headers=AUTH_A).json()["data"][0]
     extractor = local_engine.extractor
+    assert card.pop("created") > 0  # OpenAI's model object: created, owned_by
     assert card == {
         "id": extractor.info.name,
         "object": "model",
+        "owned_by": "hsx",
         "layer_ids": extractor.layer_ids,
         "hidden_size": 128,
         "dtype": "float32",
