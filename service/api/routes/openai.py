@@ -84,30 +84,11 @@ async def completions(
     """Hidden states of each prompt (token ids or text); answers once objects are durable."""
     many = _is_list_of_prompts(body.prompt)
     field = "prompt[]" if many else "prompt"
-    count = len(body.prompt) if many else 1
-    vllm, max_tokens = await _checked(request, state, body, count, field)
+    vllm, max_tokens = await _checked(request, state, body, len(body.prompt) if many else 1, field)
     rendered = await _vllm(vllm.render.render_completion_request(body, request))
     prompts = [list(r.token_ids) for r in rendered]
     outcomes = await _extract(request, state, namespace, prompts, max_tokens, field)
-    ids = bool(body.return_token_ids)
-    choices = [
-        CompletionResponseChoice(
-            index=i,
-            text=_text(state, o.output_token_ids, body.skip_special_tokens),
-            finish_reason=finish_reason(o, max_tokens),
-            token_ids=list(o.output_token_ids) if ids else None,
-            prompt_token_ids=prompts[i] if ids else None,
-            kv_transfer_params=transfer_params(o),
-        )
-        for i, o in enumerate(outcomes)
-    ]
-    answer = CompletionResponse(
-        model=_model(state, body.model),
-        choices=choices,
-        usage=_usage(outcomes),
-        kv_transfer_params=transfer_params(outcomes[0]),
-    )
-    return JSONResponse(answer.model_dump())
+    return JSONResponse(_completion(state, body, prompts, outcomes, max_tokens).model_dump())
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=EXTRACT)
@@ -119,23 +100,7 @@ async def chat_completions(
     rendered = await _vllm(vllm.render.render_chat_request(body, request))
     prompt = list(rendered.token_ids)
     (outcome,) = await _extract(request, state, namespace, [prompt], max_tokens, "messages")
-    ids = bool(body.return_token_ids)
-    text = _text(state, outcome.output_token_ids, body.skip_special_tokens)
-    choice = ChatCompletionResponseChoice(
-        index=0,
-        message=ChatMessage(role="assistant", content=text),
-        finish_reason=finish_reason(outcome, max_tokens),
-        token_ids=list(outcome.output_token_ids) if ids else None,
-        kv_transfer_params=transfer_params(outcome),
-    )
-    answer = ChatCompletionResponse(
-        model=_model(state, body.model),
-        choices=[choice],
-        usage=_usage([outcome]),
-        prompt_token_ids=prompt if ids else None,
-        kv_transfer_params=transfer_params(outcome),
-    )
-    return JSONResponse(answer.model_dump())
+    return JSONResponse(_chat(state, body, prompt, outcome, max_tokens).model_dump())
 
 
 @router.post("/v1/chat/completions/render", response_model=GenerateRequest, responses=RENDER)
@@ -223,6 +188,52 @@ async def _extract(
     except ApiError as error:
         raise OpenAIError.from_api_error(error, prompt_field) from None
     return outcomes
+
+
+def _completion(
+    state: ApiState, body: Any, prompts: list[list[int]], outcomes: list[Any], max_tokens: int
+) -> CompletionResponse:
+    """vLLM's completion answer; token ids only when asked, as vLLM gives them."""
+    ids = bool(body.return_token_ids)
+    choices = [
+        CompletionResponseChoice(
+            index=i,
+            text=_text(state, o.output_token_ids, body.skip_special_tokens),
+            finish_reason=finish_reason(o, max_tokens),
+            token_ids=list(o.output_token_ids) if ids else None,
+            prompt_token_ids=prompts[i] if ids else None,
+            kv_transfer_params=transfer_params(o),
+        )
+        for i, o in enumerate(outcomes)
+    ]
+    return CompletionResponse(
+        model=_model(state, body.model),
+        choices=choices,
+        usage=_usage(outcomes),
+        kv_transfer_params=transfer_params(outcomes[0]),
+    )
+
+
+def _chat(
+    state: ApiState, body: Any, prompt: list[int], outcome: Any, max_tokens: int
+) -> ChatCompletionResponse:
+    """vLLM's chat answer: ``prompt_token_ids`` at the top level, as vLLM puts them."""
+    ids = bool(body.return_token_ids)
+    text = _text(state, outcome.output_token_ids, body.skip_special_tokens)
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role="assistant", content=text),
+        finish_reason=finish_reason(outcome, max_tokens),
+        token_ids=list(outcome.output_token_ids) if ids else None,
+        kv_transfer_params=transfer_params(outcome),
+    )
+    return ChatCompletionResponse(
+        model=_model(state, body.model),
+        choices=[choice],
+        usage=_usage([outcome]),
+        prompt_token_ids=prompt if ids else None,
+        kv_transfer_params=transfer_params(outcome),
+    )
 
 
 def _is_list_of_prompts(prompt: Any) -> bool:
