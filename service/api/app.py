@@ -21,7 +21,7 @@ from service.api.errors import install_error_handlers
 from service.api.extractor import ExtractorLike
 from service.api.metrics import ExtractMetrics, build_info
 from service.api.prompts import max_token_bytes
-from service.api.routes import PUBLIC_PATHS, extract, listing, meta, objects
+from service.api.routes import PUBLIC_PATHS, extract, listing, meta, objects, openai
 from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
@@ -95,6 +95,7 @@ def create_app(
     app.include_router(extract.router, **protected)
     app.include_router(listing.router, **protected)
     app.include_router(objects.router, **protected)
+    app.include_router(openai.router, **protected)
     return app
 
 

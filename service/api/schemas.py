@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -221,8 +222,12 @@ class PartialFailureBody(ErrorBody):
 
 
 class ModelCard(BaseModel):
+    """One served model: OpenAI's model object, plus what its objects hold."""
+
     id: str
     object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hsx"
     layer_ids: list[int]
     hidden_size: int
     dtype: str

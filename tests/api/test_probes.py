@@ -42,9 +42,11 @@ def test_models_and_version(client: httpx.Client, local_engine: ServerThread) ->
     assert card.pop("chat_template_sha256") == hashlib.sha256(template.encode()).hexdigest()
     tokenizer_json = extractor.tokenizer.backend_tokenizer.to_str()
     assert card.pop("tokenizer_sha256") == hashlib.sha256(tokenizer_json.encode()).hexdigest()
+    assert card.pop("created") > 0  # OpenAI's model object: created, owned_by
     assert card == {
         "id": "llama",  # the served name, not the server's path
         "object": "model",
+        "owned_by": "hsx",
         "layer_ids": extractor.layer_ids,
         "hidden_size": 128,
         "dtype": "float32",

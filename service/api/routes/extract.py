@@ -62,6 +62,17 @@ async def extract(
     body: ExtractRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> ExtractResponse:
     """Extract the hidden states of every prompt; one object per prompt."""
+    return respond(state, await execute(body, request, state, namespace))
+
+
+async def execute(
+    body: ExtractRequest, request: Request, state: ApiState, namespace: str
+) -> list[Any]:
+    """Admit ``body`` and run its prompts: an outcome per prompt (Extraction or error).
+
+    Limits, admission, deadline, disconnect and metrics, shared by every route that
+    extracts (``/extract`` and the OpenAI routes).
+    """
     assert state.metrics is not None
     started = time.monotonic()
     deadline = started + state.settings.limits.request_timeout_s
@@ -79,7 +90,7 @@ async def extract(
     state.metrics.record(outcome_of(outcomes), outcomes, elapsed)
     if state.settings.log_json:
         log_request(namespace, outcomes, elapsed)
-    return respond(state, outcomes)
+    return outcomes
 
 
 async def admit(
@@ -305,9 +316,7 @@ async def _disconnected(request: Request) -> None:
 
 def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
     """200 when every object is durable; else 4xx/5xx listing every prompt's fate."""
-    errors = [o for o in outcomes if isinstance(o, BaseException)]
-    if errors:
-        raise _partial_failure(outcomes, errors)
+    raise_failures(outcomes)
     extractor = state.extractor
     prompt_tokens = sum(o.prompt_tokens for o in outcomes)
     generated = sum(len(o.output_token_ids) for o in outcomes)
@@ -335,6 +344,13 @@ def respond(state: ApiState, outcomes: list[Any]) -> ExtractResponse:
         codecs=extractor.codecs,
         usage=Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens + generated),
     )
+
+
+def raise_failures(outcomes: list[Any]) -> None:
+    """ApiError (4xx/5xx) listing every prompt's fate, if any prompt failed."""
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    if errors:
+        raise _partial_failure(outcomes, errors)
 
 
 #: Error types, most severe first, and the request status each implies.

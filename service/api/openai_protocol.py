@@ -1,0 +1,231 @@
+"""The OpenAI dialect's edges: its error shape, what hsx refuses, what it answers.
+
+Errors on the OpenAI routes use vLLM's ``ErrorResponse`` shape,
+``{"error": {"message", "type", "param", "code"}}``, with ``param`` naming the field.
+hsx's own refusals (limits, admission, storage) keep their type and status, except
+that a 422 of ``/extract`` is the 400 a vLLM client expects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from service.api.errors import ApiError
+
+
+class OpenAIError(Exception):
+    """An error answered in the OpenAI shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "BadRequestError",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.headers, self.extra = headers, extra or {}
+
+    def response(self) -> JSONResponse:
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        body = {"error": error | {"code": self.status}} | self.extra
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    @classmethod
+    def from_vllm(cls, error: Any) -> OpenAIError:
+        """From vLLM's ``ErrorResponse`` (its renderer's and model check's answers)."""
+        info = error.error
+        return cls(info.code, info.message, type=info.type, param=info.param)
+
+    @classmethod
+    def from_exception(cls, exc: Exception) -> OpenAIError:
+        """An exception of vLLM's renderer, classified as vLLM's server does (a prompt
+        over max_model_len is a 400 with ``param`` ``input_tokens``, as from vLLM)."""
+        from vllm.entrypoints.serve import create_error_response
+
+        return cls.from_vllm(create_error_response(exc))
+
+    @classmethod
+    def from_api_error(cls, error: ApiError, prompt_field: str) -> OpenAIError:
+        """hsx's refusal in this dialect; ``prompts...`` fields become ``prompt_field``
+        (``prompt``, ``prompt[]`` for a list of prompts, or ``messages``)."""
+        detail = error.detail
+        param, message = detail.field, detail.message
+        if param is not None and param.startswith("prompts"):
+            renamed = _rename(param, prompt_field)
+            message = message.replace(param, renamed, 1)
+            param = renamed
+        status = 400 if error.status == 422 else error.status
+        return cls(
+            status, message, type=detail.type, param=param, headers=error.headers, extra=error.extra
+        )
+
+
+def _rename(field: str, prompt_field: str) -> str:
+    """``prompts[2].token_ids`` -> ``prompt[2]``: the client's name for the prompt.
+
+    ``prompt_field`` ending in ``[]`` means the client sent a list of prompts.
+    """
+    base = prompt_field.removesuffix("[]")
+    found = re.match(r"prompts\[(\d+)\]", field)
+    if found and prompt_field.endswith("[]"):
+        return f"{base}[{found.group(1)}]"
+    return base
+
+
+class OpenAIRoute(APIRoute):
+    """Answers body validation errors and ``OpenAIError`` in the OpenAI shape (400).
+
+    vLLM's request models raise its own client errors from their validators (an empty
+    prompt, say), which pydantic lets through: they get vLLM's answer too.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        from vllm.exceptions import VLLMClientError
+
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except OpenAIError as error:
+                return error.response()
+            except RequestValidationError as exc:
+                return _validation_error(exc).response()
+            except VLLMClientError as exc:
+                return OpenAIError.from_exception(exc).response()
+
+        return route
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    first = exc.errors()[0]
+    parts = [p for p in first.get("loc", ()) if p != "body"]
+    # Union branches pydantic tried ("ChatCompletionUserMessageParam", "list[int]",
+    # "str") say nothing to the client: keep indices and snake_case field names.
+    names = [p for p in parts if isinstance(p, int) or _is_field_name(p)]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in names).lstrip(".")
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return OpenAIError(400, f"{param}: {message}" if param else message, param=param or None)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_field_name(part: str) -> bool:
+    return re.fullmatch(r"[a-z_][a-z0-9_]*", part) is not None and part not in _TYPE_NAMES
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A field hsx cannot honour, unless it holds a neutral value."""
+
+    field: str
+    neutral: Callable[[Any], bool]
+    reason: str
+
+
+def _absent(value: Any) -> bool:
+    return value in (None, False, [], {}, "")
+
+
+_GREEDY = "hsx generates greedily and cannot honour it"
+#: Fields of vLLM's completion and chat requests that hsx refuses (400) when set.
+REFUSALS = (
+    Refusal("stream", _absent, "streaming is not offered: hsx answers once objects are durable"),
+    Refusal("n", lambda v: v in (None, 1), "one choice per prompt only"),
+    Refusal("best_of", lambda v: v in (None, 1), "one choice per prompt only"),
+    Refusal("use_beam_search", _absent, "beam search is not offered"),
+    Refusal("logprobs", _absent, "logprobs are not computed"),
+    Refusal("top_logprobs", lambda v: v in (None, 0), "logprobs are not computed"),
+    Refusal("prompt_logprobs", lambda v: v is None, "prompt logprobs are not computed"),
+    Refusal("echo", _absent, "echo is not offered"),
+    Refusal("prompt_embeds", _absent, "hidden states need token ids, not embeddings"),
+    Refusal(
+        "kv_transfer_params",
+        lambda v: v is None,
+        "set by the server only: hsx makes every object's key and path itself",
+    ),
+    Refusal("ec_transfer_params", lambda v: v is None, "set by the server only"),
+    Refusal("temperature", lambda v: v in (None, 0), _GREEDY),
+    Refusal("presence_penalty", lambda v: v in (None, 0), _GREEDY),
+    Refusal("frequency_penalty", lambda v: v in (None, 0), _GREEDY),
+    Refusal("repetition_penalty", lambda v: v in (None, 1), _GREEDY),
+    Refusal("logit_bias", _absent, _GREEDY),
+    Refusal("bad_words", _absent, _GREEDY),
+    Refusal("allowed_token_ids", _absent, _GREEDY),
+    Refusal("stop", _absent, _GREEDY),
+    Refusal("stop_token_ids", _absent, _GREEDY),
+    Refusal("min_tokens", lambda v: v in (None, 0), _GREEDY),
+    Refusal("ignore_eos", _absent, _GREEDY),
+    Refusal("structured_outputs", lambda v: v is None, _GREEDY),
+    Refusal("response_format", lambda v: v is None or getattr(v, "type", None) == "text", _GREEDY),
+)
+
+
+def _value(body: Any, name: str) -> Any:
+    """A field's value, or an extra field's, without tripping deprecation warnings."""
+    fields: dict[str, Any] = body.__dict__
+    return fields[name] if name in fields else (body.model_extra or {}).get(name)
+
+
+def refuse_unsupported(body: Any) -> None:
+    """400 naming the first field of ``body`` hsx cannot honour."""
+    for refusal in REFUSALS:
+        value = _value(body, refusal.field)
+        if not refusal.neutral(value):
+            raise OpenAIError(400, f"{refusal.field}: {refusal.reason}", param=refusal.field)
+
+
+def requested_max_tokens(body: Any, *names: str) -> int:
+    """The first of ``names`` the client sent, else 1.
+
+    Completions always have one: vLLM's model fills in its default of 16. Chat's
+    default in vLLM is the rest of the context; hsx's is 1, as on ``/extract``.
+    """
+    for name in names:
+        value = _value(body, name)
+        if name in body.model_fields_set and value is not None:
+            if value < 1:
+                raise OpenAIError(400, f"{name}: must be at least 1", param=name)
+            return int(value)
+    return 1
+
+
+def hidden_states_path(uri: str) -> str:
+    """What vLLM's connector puts in ``hidden_states_path``: a local file path (a
+    client on a shared filesystem reads or moves it), or the ``s3://`` URI."""
+    parsed = urlparse(uri)
+    return unquote(parsed.path) if parsed.scheme == "file" else uri
+
+
+def transfer_params(extraction: Any) -> dict[str, Any]:
+    """``kv_transfer_params`` of one durable object, as vLLM's clients read them."""
+    return {
+        "hidden_states_path": hidden_states_path(extraction.uri),
+        "handle": extraction.key,
+        "key": extraction.key,
+        "uri": extraction.uri,
+        "num_tokens": extraction.num_tokens,
+        "shape": list(extraction.shape),
+        "bytes": extraction.size,
+        "sha256": extraction.sha256,
+    }
+
+
+def finish_reason(extraction: Any, max_tokens: int) -> str:
+    """``length`` when generation stopped at ``max_tokens``, else ``stop`` (EOS)."""
+    return "length" if len(extraction.output_token_ids) >= max_tokens else "stop"

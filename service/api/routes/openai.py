@@ -1,0 +1,260 @@
+"""vLLM's OpenAI dialect: completions, chat completions, render, tokenize, detokenize.
+
+Requests parse with vLLM's protocol models and render with vLLM's renderer
+(``service.api.openai_vllm``); prompts then run through the same path as ``/extract``
+(limits, admission, deadline, disconnect, metrics), so an answer leaves only once
+every object is durable. Each choice carries ``kv_transfer_params`` naming its object
+(``hidden_states_path``, ``handle``), as vLLM's ``extract_hidden_states`` connector
+reports them; the top level carries the first prompt's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+)
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, UsageInfo
+from vllm.entrypoints.serve.tokenize.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+from service.api.deps import NamespaceDep, StateDep
+from service.api.errors import ApiError
+from service.api.openai_protocol import (
+    OpenAIError,
+    OpenAIRoute,
+    finish_reason,
+    refuse_unsupported,
+    requested_max_tokens,
+    transfer_params,
+)
+from service.api.openai_vllm import VllmFrontEnd, front_end
+from service.api.prompts import check_request_limits
+from service.api.routes.extract import execute, raise_failures
+from service.api.schemas import ErrorBody, ExtractRequest, PromptObject
+from service.api.state import ApiState
+
+router = APIRouter(route_class=OpenAIRoute, tags=["openai"])
+T = TypeVar("T")
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    described = {
+        400: "Invalid request, an unsupported field, or a limit exceeded (`param` names it)",
+        404: "The model is not the served one",
+        429: "Too much work queued; retry after Retry-After",
+        502: "Some objects could not be written (`objects` lists every prompt's fate)",
+        503: "Engine unavailable or shutting down",
+        504: "Request deadline passed; its work was aborted",
+    }
+    return {
+        **{s: {"model": ErrorResponse, "description": described[s]} for s in statuses},
+        # Refused while reading, before any route: hsx's own error shape.
+        413: {"model": ErrorBody, "description": "Body over the size limit"},
+        # Validation errors are 400 here (vLLM's dialect), never FastAPI's 422.
+        "4XX": {"model": ErrorResponse, "description": "Any other client error"},
+    }
+
+
+RENDER = _errors(400, 404)
+EXTRACT = _errors(400, 404, 429, 502, 503, 504)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=EXTRACT)
+async def completions(
+    body: CompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
+) -> JSONResponse:
+    """Hidden states of each prompt (token ids or text); answers once objects are durable."""
+    many = _is_list_of_prompts(body.prompt)
+    field = "prompt[]" if many else "prompt"
+    vllm, max_tokens = await _checked(request, state, body, len(body.prompt) if many else 1, field)
+    rendered = await _vllm(vllm.render.render_completion_request(body, request))
+    prompts = [list(r.token_ids) for r in rendered]
+    outcomes = await _extract(request, state, namespace, prompts, max_tokens, field)
+    return JSONResponse(_completion(state, body, prompts, outcomes, max_tokens).model_dump())
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=EXTRACT)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
+) -> JSONResponse:
+    """Hidden states of the rendered conversation; answers once the object is durable."""
+    vllm, max_tokens = await _checked(request, state, body, 1, "messages")
+    rendered = await _vllm(vllm.render.render_chat_request(body, request))
+    prompt = list(rendered.token_ids)
+    (outcome,) = await _extract(request, state, namespace, [prompt], max_tokens, "messages")
+    return JSONResponse(_chat(state, body, prompt, outcome, max_tokens).model_dump())
+
+
+@router.post("/v1/chat/completions/render", response_model=GenerateRequest, responses=RENDER)
+async def render_chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+    """The token ids vLLM renders for this chat request (no engine work, no object)."""
+    rendered = await _vllm(front_end(request).render.render_chat_request(body, request))
+    return JSONResponse(rendered.model_dump())
+
+
+@router.post("/v1/completions/render", response_model=list[GenerateRequest], responses=RENDER)
+async def render_completion(body: CompletionRequest, request: Request) -> JSONResponse:
+    """The token ids vLLM renders for each prompt (no engine work, no object)."""
+    rendered = await _vllm(front_end(request).render.render_completion_request(body, request))
+    return JSONResponse([r.model_dump() for r in rendered])
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=RENDER)
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """Token ids of a prompt or a conversation, as vLLM's ``/tokenize``."""
+    result = await _vllm(front_end(request).tokenization.create_tokenize(body, request))
+    return JSONResponse(result.model_dump())
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=RENDER)
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    """The text of token ids, as vLLM's ``/detokenize``."""
+    result = await _vllm(front_end(request).tokenization.create_detokenize(body, request))
+    return JSONResponse(result.model_dump())
+
+
+async def _checked(
+    request: Request, state: ApiState, body: Any, prompts: int, prompt_field: str
+) -> tuple[VllmFrontEnd, int]:
+    """Checks before rendering: the model (404), refused fields, prompt and token limits."""
+    vllm = front_end(request)
+    wrong_model = await vllm.registry.check_model(body.model)
+    if wrong_model is not None:
+        raise OpenAIError.from_vllm(wrong_model)
+    assert state.metrics is not None
+    try:
+        refuse_unsupported(body)
+        max_tokens = requested_max_tokens(body, "max_completion_tokens", "max_tokens")
+        placeholder = ExtractRequest.model_construct(prompts=[""] * prompts, max_tokens=max_tokens)
+        check_request_limits(placeholder, state.settings.limits)
+    except OpenAIError:
+        state.metrics.rejected("invalid_request")
+        raise
+    except ApiError as error:
+        state.metrics.rejected(error.detail.type)
+        raise OpenAIError.from_api_error(error, prompt_field) from None
+    return vllm, max_tokens
+
+
+async def _vllm(work: Awaitable[T]) -> T:
+    """A call into vLLM's renderer; its errors become OpenAI errors, as in ``vllm serve``."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        result = await work
+    except (VLLMClientError, ValueError, TypeError, OverflowError, NotImplementedError) as exc:
+        raise OpenAIError.from_exception(exc) from None
+    if isinstance(result, ErrorResponse):
+        raise OpenAIError.from_vllm(result)
+    return result
+
+
+async def _extract(
+    request: Request,
+    state: ApiState,
+    namespace: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    prompt_field: str,
+) -> list[Any]:
+    """Run the prompts exactly as ``/extract`` does; every object durable, or an error."""
+    body = ExtractRequest.model_construct(
+        prompts=[PromptObject.model_construct(token_ids=p) for p in prompts],
+        max_tokens=max_tokens,
+        include_output_tokens=False,
+        metadata={},
+    )
+    try:
+        outcomes = await execute(body, request, state, namespace)
+        raise_failures(outcomes)
+    except ApiError as error:
+        raise OpenAIError.from_api_error(error, prompt_field) from None
+    return outcomes
+
+
+def _completion(
+    state: ApiState, body: Any, prompts: list[list[int]], outcomes: list[Any], max_tokens: int
+) -> CompletionResponse:
+    """vLLM's completion answer; token ids only when asked, as vLLM gives them."""
+    ids = bool(body.return_token_ids)
+    choices = [
+        CompletionResponseChoice(
+            index=i,
+            text=_text(state, o.output_token_ids, body.skip_special_tokens),
+            finish_reason=finish_reason(o, max_tokens),
+            token_ids=list(o.output_token_ids) if ids else None,
+            prompt_token_ids=prompts[i] if ids else None,
+            kv_transfer_params=transfer_params(o),
+        )
+        for i, o in enumerate(outcomes)
+    ]
+    return CompletionResponse(
+        model=_model(state, body.model),
+        choices=choices,
+        usage=_usage(outcomes),
+        kv_transfer_params=transfer_params(outcomes[0]),
+    )
+
+
+def _chat(
+    state: ApiState, body: Any, prompt: list[int], outcome: Any, max_tokens: int
+) -> ChatCompletionResponse:
+    """vLLM's chat answer: ``prompt_token_ids`` at the top level, as vLLM puts them."""
+    ids = bool(body.return_token_ids)
+    text = _text(state, outcome.output_token_ids, body.skip_special_tokens)
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role="assistant", content=text),
+        finish_reason=finish_reason(outcome, max_tokens),
+        token_ids=list(outcome.output_token_ids) if ids else None,
+        kv_transfer_params=transfer_params(outcome),
+    )
+    return ChatCompletionResponse(
+        model=_model(state, body.model),
+        choices=[choice],
+        usage=_usage([outcome]),
+        prompt_token_ids=prompt if ids else None,
+        kv_transfer_params=transfer_params(outcome),
+    )
+
+
+def _is_list_of_prompts(prompt: Any) -> bool:
+    """A list of strings or of token lists (a string or one token list is one prompt)."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def _text(state: ApiState, token_ids: tuple[int, ...], skip_special_tokens: bool) -> str:
+    tokenizer = state.extractor.tokenizer
+    if tokenizer is None or not token_ids:
+        return ""
+    return str(tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def _model(state: ApiState, requested: str | None) -> str:
+    return requested or state.model_name
+
+
+def _usage(outcomes: list[Any]) -> UsageInfo:
+    prompt = sum(o.prompt_tokens for o in outcomes)
+    generated = sum(len(o.output_token_ids) for o in outcomes)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated
+    )

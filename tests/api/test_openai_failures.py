@@ -1,0 +1,85 @@
+"""The OpenAI routes under /extract's rules: overload, deadline, disconnect, storage failure."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.api.conftest import AUTH_A, AUTH_FLAKY, ServerThread, objects_under
+from tests.api.openai_helpers import engine_requests, wait_until_idle
+from tests.engine.conftest import random_prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def test_overload_is_429_with_retry_after(local_engine: ServerThread) -> None:
+    url = local_engine.serve(max_queued_prompts=1)
+    engine = engine_requests(url)
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": [[1, 2, 3], [4, 5, 6]], "max_tokens": 1},
+        headers=AUTH_A,
+        timeout=60,
+    )
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == "1"
+    assert response.json()["error"] == {
+        "message": "too much work queued; retry later",
+        "type": "overloaded",
+        "param": None,
+        "code": 429,
+    }
+    assert engine_requests(url) == engine
+    ok = httpx.post(
+        f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers=AUTH_A
+    )
+    assert ok.status_code == 200
+
+
+def test_deadline_is_504_and_leaves_nothing(local_engine: ServerThread) -> None:
+    url = local_engine.serve(request_timeout_s=0.05)
+    before = objects_under(local_engine.root, "team-a")  # type: ignore[attr-defined]
+    body = {"prompt": random_prompts([100] * 2, seed=51), "max_tokens": 64}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH_A, timeout=60)
+    assert response.status_code == 504
+    assert response.json()["error"]["type"] == "timeout"
+    wait_until_idle(local_engine)
+    time.sleep(0.3)  # a late object of an aborted request is deleted on arrival
+    assert objects_under(local_engine.root, "team-a") == before  # type: ignore[attr-defined]
+
+
+def test_disconnect_aborts_the_engine_requests(local_url: str, local_engine: ServerThread) -> None:
+    before = objects_under(local_engine.root, "team-a")  # type: ignore[attr-defined]
+    body = {"messages": [{"role": "user", "content": "fox " * 60}], "max_tokens": 64}
+    with (
+        httpx.Client(base_url=local_url, timeout=httpx.Timeout(30, read=0.2)) as short,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        short.post("/v1/chat/completions", json=body, headers=AUTH_A)
+    assert wait_until_idle(local_engine) < 2.0
+    time.sleep(0.3)
+    assert objects_under(local_engine.root, "team-a") == before  # type: ignore[attr-defined]
+
+
+def test_storage_failure_is_502_without_keys_for_lost_objects(
+    client: httpx.Client, local_engine: ServerThread
+) -> None:
+    lengths = [4, 5, 6, 7]  # odd token counts fail in the "flaky" namespace
+    body = {"prompt": random_prompts(lengths, seed=52), "max_tokens": 1}
+    before = objects_under(local_engine.root, "flaky-team")  # type: ignore[attr-defined]
+    response = client.post("/v1/completions", json=body, headers=AUTH_FLAKY)
+    assert response.status_code == 502
+    data = response.json()
+    assert data["error"]["type"] == "storage_error"
+    assert data["error"]["code"] == 502
+    assert "kv_transfer_params" not in data
+    stored = objects_under(local_engine.root, "flaky-team") - before  # type: ignore[attr-defined]
+    for outcome, length in zip(data["objects"], lengths, strict=True):
+        if length % 2:
+            assert "key" not in outcome
+            assert "injected write failure" in outcome["error"]["message"]
+        else:
+            assert outcome["key"] in stored  # durable, and listed so it can be deleted
+    assert stored == {o["key"] for o in data["objects"] if "key" in o}

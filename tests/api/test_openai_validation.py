@@ -1,0 +1,127 @@
+"""Bad input on the OpenAI routes: its status, OpenAI's error shape, the field named in
+``param`` and the message, and no engine request made."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.api.conftest import AUTH_A, ServerThread
+from tests.api.openai_helpers import counter, engine_requests
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+IDS = [5, 6, 7]
+CHAT = [{"role": "user", "content": "The quick brown fox?"}]
+CMPL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+
+# (name, path, body, status, param): param None where vLLM's own check names no field.
+CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
+    ("stream", CMPL, {"prompt": IDS, "stream": True}, 400, "stream"),
+    ("n > 1", CMPL, {"prompt": IDS, "n": 2}, 400, "n"),
+    ("best_of", CMPL, {"prompt": IDS, "best_of": 2}, 400, "best_of"),
+    ("beam search", CMPL, {"prompt": IDS, "use_beam_search": True}, 400, "use_beam_search"),
+    ("logprobs", CMPL, {"prompt": IDS, "logprobs": 1}, 400, "logprobs"),
+    ("prompt logprobs", CMPL, {"prompt": IDS, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("echo", CMPL, {"prompt": IDS, "echo": True}, 400, "echo"),
+    (
+        "client kv_transfer_params",
+        CMPL,
+        {"prompt": IDS, "kv_transfer_params": {"hidden_states_path": "/etc/passwd"}},
+        400,
+        "kv_transfer_params",
+    ),
+    ("sampling", CMPL, {"prompt": IDS, "temperature": 0.8}, 400, "temperature"),
+    ("stop", CMPL, {"prompt": IDS, "stop": ["fox"]}, 400, "stop"),
+    ("unknown model", CMPL, {"prompt": IDS, "model": "gpt-4"}, 404, "model"),
+    ("prompt type", CMPL, {"prompt": 5}, 400, "prompt"),
+    ("empty prompt", CMPL, {"prompt": ""}, 400, "prompt"),
+    ("max_tokens 0", CMPL, {"prompt": IDS, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens over limit", CMPL, {"prompt": IDS, "max_tokens": 65}, 400, "max_tokens"),
+    ("too many prompts", CMPL, {"prompt": [IDS] * 9}, 400, "prompt"),
+    ("id past vocab", CMPL, {"prompt": [[1, 2], [1, 512]]}, 400, "prompt[1]"),
+    ("prompt over max_model_len", CMPL, {"prompt": [1] * 600}, 400, "input_tokens"),
+    # vLLM's default max_tokens of 16 leaves 496 tokens for the prompt.
+    ("prompt + max_tokens too long", CMPL, {"prompt": [1] * 500}, 400, "prompt"),
+    ("too many tokens", CMPL, {"prompt": [[1] * 500] * 3, "max_tokens": 1}, 400, "prompt"),
+    ("chat stream", CHAT_URL, {"messages": CHAT, "stream": True}, 400, "stream"),
+    ("chat n > 1", CHAT_URL, {"messages": CHAT, "n": 3}, 400, "n"),
+    ("chat logprobs", CHAT_URL, {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat unknown model", CHAT_URL, {"messages": CHAT, "model": "x"}, 404, "model"),
+    ("chat no messages", CHAT_URL, {}, 400, "messages"),
+    (
+        "chat bad role",
+        CHAT_URL,
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "chat kv_transfer_params",
+        CHAT_URL,
+        {"messages": CHAT, "kv_transfer_params": {"handle": "x"}},
+        400,
+        "kv_transfer_params",
+    ),
+    (
+        "chat max_tokens over limit",
+        CHAT_URL,
+        {"messages": CHAT, "max_completion_tokens": 65},
+        400,
+        "max_tokens",
+    ),
+    (
+        "chat template from the client",
+        CHAT_URL,
+        {"messages": CHAT, "chat_template": "{{ 'x' }}"},
+        400,
+        None,
+    ),
+    ("render unknown model", "/v1/chat/completions/render", {**{"messages": CHAT}, "model": "x"},
+     404, "model"),
+    ("render no messages", "/v1/chat/completions/render", {}, 400, "messages"),
+    ("completion render type", "/v1/completions/render", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("tokenize unknown model", "/tokenize", {"prompt": "a", "model": "x"}, 404, "model"),
+    ("detokenize negative", "/detokenize", {"tokens": [1, -1]}, 400, "tokens[1]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "param"), CASES, ids=[c[0] for c in CASES]
+)
+def test_bad_input_is_refused_before_the_engine(
+    client: httpx.Client,
+    local_url: str,
+    local_engine: ServerThread,
+    name: str,
+    path: str,
+    body: dict[str, Any],
+    status: int,
+    param: str | None,
+) -> None:
+    body = {"model": str(local_engine.extractor.info.name), **body}
+    engine, prompts = engine_requests(local_url), counter(local_url, "hsx_extract_prompts_total")
+    response = client.post(path, json=body, headers=AUTH_A)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status
+    assert error["message"]
+    assert error["param"] == param, error
+    if param is not None:
+        assert param.split("[")[0] in error["message"]
+    assert engine_requests(local_url) == engine
+    assert counter(local_url, "hsx_extract_prompts_total") == prompts
+
+
+def test_malformed_json_is_400(client: httpx.Client, local_url: str) -> None:
+    engine = engine_requests(local_url)
+    response = client.post(
+        CMPL, content=b'{"prompt": [', headers={**AUTH_A, "Content-Type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == 400
+    assert engine_requests(local_url) == engine
