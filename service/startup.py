@@ -70,11 +70,17 @@ def setting_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     return paths
 
 
+#: ``HSX_`` variables read by hsx's clients, not settings of the server.
+CLIENT_VARIABLES = frozenset({"HSX_API_KEY"})
+
+
 def check_environment(environ: Mapping[str, str], model: type[BaseModel]) -> None:
     """Refuse ``HSX_`` variables that name no setting (a typo would be ignored)."""
     known = {env_name(path) for path in setting_paths(model)}
     # Whole sections may be given as JSON (HSX_STORAGE='{"url": ...}').
     known |= {env_name(path.rsplit(".", 1)[0]) for path in setting_paths(model) if "." in path}
+    # The client's variables (`hsx dataset`), which a shell running both may hold.
+    known |= CLIENT_VARIABLES
     # Keys of a dict setting may be given one by one (HSX_ENGINE__EXTRA_ARGS__SEED=1).
     dicts = tuple(env_name(path) + "__" for path in setting_paths(model) if _is_dict(model, path))
     for name in sorted(environ):

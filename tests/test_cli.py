@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def run_hsx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -61,3 +63,12 @@ def test_misspelled_variable_is_refused_but_dict_keys_pass() -> None:
     keyed = run_hsx("config", env={"HSX_ENGINE__EXTRA_ARGS__SEED": "3"})
     assert keyed.returncode == 0, keyed.stderr
     assert json.loads(keyed.stdout)["engine"]["extra_args"] == {"seed": "3"}
+
+
+def test_client_variables_are_not_refused_as_settings() -> None:
+    from service.config import Settings
+    from service.startup import StartupError, check_environment
+
+    check_environment({"HSX_API_KEY": "k" * 16, "HSX_STORAGE__URL": "/tmp/x"}, Settings)
+    with pytest.raises(StartupError, match="HSX_API_KEYZ is not a setting"):
+        check_environment({"HSX_API_KEYZ": "k"}, Settings)
