@@ -20,6 +20,7 @@ import numpy as np
 from fastapi import FastAPI
 from safetensors.numpy import save
 
+from service import codecs
 from service.api.app import create_app
 from service.api.auth import ApiKeys
 from service.config import Settings
@@ -74,6 +75,8 @@ class FakeExtractor:
         metadata: Mapping[str, str] | None = None,
         loss_spans: Sequence[tuple[int, int]] | None = None,
         key: str | None = None,
+        codec: str | None = None,
+        layers: Sequence[int] | None = None,
     ) -> Extraction:
         self.submitted += 1
         ids = list(prompt_token_ids)
@@ -107,6 +110,25 @@ class FakeExtractor:
             prompt_tokens=len(ids),
             output_token_ids=tuple([3] * max_tokens),
         )
+
+    @property
+    def settings(self) -> Settings:
+        """The engine's settings as the API reads them (the default codec)."""
+        return Settings(engine={"model": self.info.name}, storage={"url": str(self.storage.root)})
+
+    @property
+    def codecs(self) -> list[str]:
+        return list(codecs.offered(self.dtype))
+
+    def check_codec(self, codec: str | None) -> Any:
+        return codecs.check_codec(codec or self.settings.storage.codec, self.dtype)
+
+    def check_layers(self, layers: Sequence[int] | None) -> None:
+        wanted = list(layers or [])
+        if layers is not None and (
+            not wanted or wanted != [i for i in self.layer_ids if i in wanted]
+        ):
+            raise ValueError(f"{wanted} is not a non-empty subset of {self.layer_ids}")
 
     async def on_workers(self, method: str) -> list[Any]:
         """No workers: no KV layout, no memory samples."""
