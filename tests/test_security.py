@@ -440,6 +440,11 @@ def test_sigterm_past_grace_answers_503_and_leaves_only_reported_objects(server:
         thread.start()
     # SIGTERM once the long requests' objects start to land: the grace period ends
     # (cancelling them) long before they or their deadline could.
+    wait_for(
+        lambda: server.metric("hsx_extract_prompts_in_flight") >= 3 * len(LONG_LENGTHS),
+        60,
+        "the long requests never got in flight",
+    )
     wait_for(lambda: len(server.objects("shut")) >= 2, 60, "no object of the long requests landed")
     landed = len(server.objects("shut")) - 1
     server.proc.send_signal(signal.SIGTERM)

@@ -128,7 +128,7 @@ async def test_shutdown_past_grace_answers_503_and_removes_what_had_landed(
     fake.held = {9}
     async with serving_in_process(fast_settings(tmp_path), fake, KEYS) as (app, client):
         request = asyncio.ensure_future(client.post("/extract", json=prompts(2, 9), headers=AUTH_A))
-        while fake.waiting < 1:
+        while fake.waiting < 1 or not fake.written:  # one landed, the other held
             await asyncio.sleep(0.01)
         app.state.hsx.draining = True
         request.cancel()  # what uvicorn does to requests past the grace period
