@@ -100,16 +100,6 @@ class ExtractorLike(Protocol):
     ) -> ExtractionLike:
         """One prompt's object, once durable; cancelling leaves no object behind."""
 
-    @property
-    def codecs(self) -> Any:
-        """The codecs this server offers (``service.codecs``)."""
-
-    def check_codec(self, codec: str | None) -> Any:
-        """The codec a request gets; ValueError naming the codecs offered otherwise."""
-
-    def check_layers(self, layers: Sequence[int] | None) -> None:
-        """ValueError unless ``layers`` is a subset of the served layer ids, in order."""
-
     async def on_workers(self, method: str) -> list[Any]:
         """A worker-extension call on every worker."""
 

@@ -123,25 +123,6 @@ class FakeExtractor:
             output_token_ids=tuple([3] * max_tokens),
         )
 
-    @property
-    def settings(self) -> Settings:
-        """The engine's settings as the API reads them (the default codec)."""
-        return Settings(engine={"model": self.info.name}, storage={"url": str(self.storage.root)})
-
-    @property
-    def codecs(self) -> list[str]:
-        return list(codecs.offered(self.dtype))
-
-    def check_codec(self, codec: str | None) -> Any:
-        return codecs.check_codec(codec or self.settings.storage.codec, self.dtype)
-
-    def check_layers(self, layers: Sequence[int] | None) -> None:
-        wanted = list(layers or [])
-        if layers is not None and (
-            not wanted or wanted != [i for i in self.layer_ids if i in wanted]
-        ):
-            raise ValueError(f"{wanted} is not a non-empty subset of {self.layer_ids}")
-
     async def on_workers(self, method: str) -> list[Any]:
         """No workers: no KV layout, no memory samples."""
         return [None] if method == "hsx_kv_layout" else []
