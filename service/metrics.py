@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 STORAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 #: Storage operations, pre-registered so every series exists from the start.
 OPERATIONS = ("put", "get", "head", "exists", "list", "delete", "ping")
+#: Storage error kinds (``StorageError.kind`` of service.storage.base), pre-registered
+#: too, so that a dashboard's error rate reads 0, not "no data", while all is well.
+ERROR_KINDS = (
+    "error", "not_found", "already_exists", "invalid_key", "unavailable", "config", "integrity"
+)  # fmt: skip
 #: Why stored states were refused (``hsx_extract_invalid_states_total{reason}``).
 INVALID_STATES_REASONS = ("non_finite", "all_zero_layer")
 
@@ -83,6 +88,8 @@ class StorageMetrics:
         if backend is not None:
             for operation in OPERATIONS:
                 self.duration.labels(backend, operation)
+                for kind in ERROR_KINDS:
+                    self.errors.labels(backend, operation, kind)
             for counter in (self.written, self.read, self.retries):
                 counter.labels(backend)
 

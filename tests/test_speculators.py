@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load, load_file
 
 from service.client import HsxTransfer
+from service.engine.builder import served_model_name
 from tests.api.conftest import ServerThread, as_extraction, objects_under
 from tests.api.openai_helpers import counter, vllm_render
 from tests.conftest import s3_settings
@@ -276,7 +277,9 @@ def transfer_params_of(hsx: Any, ids: list[int]) -> dict[str, Any]:
     import openai
 
     with openai.OpenAI(base_url=f"{hsx.url}/v1", api_key="EMPTY", max_retries=0) as client:
-        done = client.completions.create(model=hsx.extractor.info.name, prompt=ids, max_tokens=1)
+        done = client.completions.create(
+            model=served_model_name(hsx.extractor.info.name), prompt=ids, max_tokens=1
+        )
     return dict(done.model_extra["kv_transfer_params"])
 
 

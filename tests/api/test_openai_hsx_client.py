@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from service.client import HsxClient, HsxError, HsxTransfer
+from service.engine.builder import served_model_name
 from tests.api.conftest import KEY_A, KEY_B, ServerThread
 from tests.engine.conftest import random_prompts
 
@@ -49,7 +50,7 @@ def test_transfer_reads_and_deletes_what_a_completion_names(
     ids = random_prompts([21], seed=62)[0]
     with openai.OpenAI(base_url=f"{local_url}/v1", api_key=KEY_A, max_retries=0) as oai:
         done = oai.completions.create(
-            model=local_engine.extractor.info.name, prompt=ids, max_tokens=1
+            model=served_model_name(local_engine.extractor.info.name), prompt=ids, max_tokens=1
         )
     params = done.model_extra["kv_transfer_params"]
     transfer.setup()

@@ -46,7 +46,9 @@ async def test_metrics_follow_operations(tmp_path: Path) -> None:
     assert value("hsx_storage_operation_duration_seconds_count", operation="list") == 1
     assert value("hsx_storage_errors_total", operation="head", kind="not_found") == 1
     assert value("hsx_storage_errors_total", operation="get", kind="not_found") == 1
-    assert value("hsx_storage_errors_total", operation="put", kind="not_found") is None
+    assert (
+        value("hsx_storage_errors_total", operation="put", kind="not_found") == 0
+    )  # pre-registered, never counted
     assert value("hsx_storage_retries_total") == 0
     await storage.close()
 
@@ -82,3 +84,15 @@ def test_two_metric_sets_cannot_share_a_registry() -> None:
 def test_unknown_scheme_is_refused() -> None:
     with pytest.raises(ValueError, match=r"gs.*not supported.*file://, s3://"):
         open_storage(StorageSettings(url="gs://bucket/x"))
+
+
+def test_every_error_kind_is_pre_registered() -> None:
+    from service.metrics import ERROR_KINDS
+    from service.storage import base
+
+    kinds = {
+        cls.kind
+        for cls in vars(base).values()
+        if isinstance(cls, type) and issubclass(cls, base.StorageError)
+    }
+    assert kinds == set(ERROR_KINDS)
