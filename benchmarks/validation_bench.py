@@ -17,11 +17,12 @@ async def run(scratch: Path, timer: Timer) -> list[Row]:
     """One row: validation time, serialisation time, their ratio."""
     import torch
 
-    from service.engine.objects import serialize
+    from service.engine.objects import object_metadata, serialize
     from service.engine.validation import check_states
 
     states = torch.randn(8192, 4, 1024)
     token_ids = torch.arange(8192)
+    metadata = object_metadata("bench", [1, 2, 3, 4], "float32")
     mib = states.numel() * states.element_size() / 2**20
 
     async def ours() -> object:
@@ -29,7 +30,7 @@ async def run(scratch: Path, timer: Timer) -> list[Row]:
         return None
 
     async def baseline() -> object:
-        return serialize(states, token_ids, {})
+        return serialize("raw", states, token_ids, metadata)
 
     ours_t, base_t = [], []
     for _ in range(5):  # interleaved, so drift hits both sides
