@@ -17,6 +17,7 @@ from typing import Any
 
 from benchmarks.storage_bench import Row, Timer, _ms
 from service.config import Settings
+from service.engine.builder import served_model_name
 
 NOTES = """- **HTTP vs in-process throughput**: 32 prompts of 32-256 tokens, as 4 concurrent
   `POST /extract` requests of 8 prompts through a real uvicorn server on 127.0.0.1,
@@ -154,7 +155,7 @@ async def _posts(url: str, requests: list[Any], repeats: int, scratch: Path) -> 
 async def _completions_vs_extract(extractor: Any, url: str, scratch: Path) -> Row:
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(32, 257))] for _ in range(32)]
-    model = extractor.info.name
+    model = served_model_name(extractor.info.name)
     v1 = [
         [
             "/v1/completions",
