@@ -25,7 +25,7 @@ from safetensors.torch import load, load_file
 
 from service.client import HsxTransfer
 from tests.api.conftest import ServerThread, as_extraction, objects_under
-from tests.api.openai_helpers import counter, vllm_render
+from tests.api.openai_helpers import counter, served_name, vllm_render
 from tests.conftest import s3_settings
 from tests.engine.checks import assert_object_matches
 from tests.engine.conftest import engine_settings
@@ -276,7 +276,7 @@ def transfer_params_of(hsx: Any, ids: list[int]) -> dict[str, Any]:
     import openai
 
     with openai.OpenAI(base_url=f"{hsx.url}/v1", api_key="EMPTY", max_retries=0) as client:
-        done = client.completions.create(model=hsx.extractor.info.name, prompt=ids, max_tokens=1)
+        done = client.completions.create(model=served_name(hsx), prompt=ids, max_tokens=1)
     return dict(done.model_extra["kv_transfer_params"])
 
 

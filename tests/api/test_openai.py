@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.api.conftest import AUTH_A, KEY_A, ServerThread
-from tests.api.openai_helpers import assert_durable, vllm_render
+from tests.api.openai_helpers import assert_durable, served_name, vllm_render
 from tests.engine.conftest import random_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -30,7 +30,7 @@ def sync_client(local_url: str) -> Any:
 
 
 def model_name(engine: ServerThread) -> str:
-    return str(engine.extractor.info.name)
+    return served_name(engine)
 
 
 def test_models_in_openai_shape(sync_client: Any, local_engine: ServerThread) -> None:
