@@ -57,13 +57,14 @@ class HsxClient:
         metadata: Mapping[str, str] | None = None,
         codec: str | None = None,
         layers: Sequence[int] | None = None,
+        loss: str | None = None,
     ) -> dict[str, Any]:
         """``POST /extract``: the response, whose every object is durable.
 
         A prompt is text, a list of token ids, or an object with one of ``text``,
-        ``token_ids``, ``messages``. ``codec`` and ``layers`` are sent only when given
-        (the server's default codec and all its layers otherwise). Raises HsxError on
-        any error answer.
+        ``token_ids``, ``messages``. ``codec``, ``layers`` and ``loss`` are sent only
+        when given (the server's default codec, all its layers, no mask otherwise).
+        Raises HsxError on any error answer.
         """
         body: dict[str, Any] = {
             "prompts": [_prompt(p) for p in prompts],
@@ -75,6 +76,8 @@ class HsxClient:
             body["codec"] = codec
         if layers is not None:
             body["layers"] = list(layers)
+        if loss is not None:
+            body["loss"] = loss
         return dict(_checked(self._http.post("/extract", json=body)).json())
 
     def get_bytes(self, key: str, *, decode: bool = False) -> bytes:
