@@ -23,10 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from service.client import HsxTransfer
-from service.engine.builder import served_model_name
+from service.client import HsxClient, HsxTransfer
 from tests.api.conftest import ServerThread, as_extraction, objects_under
-from tests.api.openai_helpers import counter, vllm_render
+from tests.api.openai_helpers import counter, served_name, vllm_render
 from tests.conftest import s3_settings
 from tests.engine.checks import assert_object_matches
 from tests.engine.conftest import engine_settings
@@ -113,34 +112,43 @@ def dataset(path: Path) -> list[dict[str, list[int]]]:
     return [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in rows]
 
 
+def messages_of(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A conversation in OpenAI's roles, as prepare-data reads ShareGPT's from/value."""
+    return [
+        {
+            "role": {"human": "user", "gpt": "assistant"}.get(
+                turn.get("from", ""), turn.get("role", "")
+            ),
+            "content": turn.get("value") or turn.get("content", ""),
+        }
+        for turn in conversation
+    ]
+
+
+def assistant_turns() -> Iterator[tuple[list[dict[str, str]], int]]:
+    """(messages, j) for each assistant turn j that prepare-data makes a row of: every
+    one but a conversation's first message."""
+    for conversation in CONVERSATIONS:
+        messages = messages_of(conversation)
+        for j, turn in enumerate(messages):
+            if turn["role"] == "assistant" and j > 0:
+                yield messages, j
+
+
 def expected_rows(engine: ServerThread) -> list[dict[str, list[int]]]:
     """One row per assistant turn after the first message, from vLLM's own renderer:
     context (mask 0) is the conversation before the turn with the assistant's turn
     opened, the rest of the turn's full render is supervised (mask 1)."""
     rows = []
-    for conversation in CONVERSATIONS:
-        messages = [
-            {
-                "role": {"human": "user", "gpt": "assistant"}.get(
-                    turn.get("from", ""), turn.get("role", "")
-                ),
-                "content": turn.get("value") or turn.get("content", ""),
-            }
-            for turn in conversation
-        ]
-        for j, turn in enumerate(messages):
-            if turn["role"] != "assistant" or j == 0:
-                continue
-            window = {"truncate_prompt_tokens": SEQ_LEN, "truncation_side": "right"}
-            context = vllm_render(
-                engine, messages=messages[:j], add_generation_prompt=True, **window
-            )
-            full = vllm_render(
-                engine, messages=messages[: j + 1], add_generation_prompt=False, **window
-            )
-            assert full[: len(context)] == context  # the template is prefix-stable
-            mask = [0] * len(context) + [1] * (len(full) - len(context))
-            rows.append({"input_ids": full, "loss_mask": mask})
+    for messages, j in assistant_turns():
+        window = {"truncate_prompt_tokens": SEQ_LEN, "truncation_side": "right"}
+        context = vllm_render(engine, messages=messages[:j], add_generation_prompt=True, **window)
+        full = vllm_render(
+            engine, messages=messages[: j + 1], add_generation_prompt=False, **window
+        )
+        assert full[: len(context)] == context  # the template is prefix-stable
+        mask = [0] * len(context) + [1] * (len(full) - len(context))
+        rows.append({"input_ids": full, "loss_mask": mask})
     return rows
 
 
@@ -150,6 +158,24 @@ def test_prepare_data_equals_vllms_renderer(prepared: Path, local_hsx: Any) -> N
     assert len(rows) == 6  # two assistant turns per conversation
     # prepare-data shuffles its rows (seeded): compare them in one order.
     assert sorted(rows, key=str) == sorted(expected_rows(local_hsx), key=str)
+
+
+def test_extract_last_turn_masks_equal_prepare_data(prepared: Path, local_hsx: Any) -> None:
+    """hsx's own masks (``/extract``, ``messages`` and ``loss: last_turn``) of each
+    conversation up to an assistant turn are prepare-data's rows, token for token."""
+    prompts = [{"messages": messages[: j + 1]} for messages, j in assistant_turns()]
+    with HsxClient(local_hsx.url) as client:
+        answer = client.extract(prompts, loss="last_turn")
+        rows = []
+        for obj in answer["objects"]:
+            tensors = client.get(obj["key"])
+            client.delete(obj["key"])  # generate-offline-data expects an empty storage
+            mask = tensors["loss_mask"]
+            assert mask.dtype == torch.uint8
+            assert obj["num_loss_tokens"] == int(mask.sum()) > 0
+            rows.append({"input_ids": tensors["token_ids"].tolist(), "loss_mask": mask.tolist()})
+    # prepare-data shuffles its rows (seeded): compare them in one order.
+    assert sorted(rows, key=str) == sorted(dataset(prepared), key=str)
 
 
 @pytest.fixture(scope="module")
@@ -277,9 +303,7 @@ def transfer_params_of(hsx: Any, ids: list[int]) -> dict[str, Any]:
     import openai
 
     with openai.OpenAI(base_url=f"{hsx.url}/v1", api_key="EMPTY", max_retries=0) as client:
-        done = client.completions.create(
-            model=served_model_name(hsx.extractor.info.name), prompt=ids, max_tokens=1
-        )
+        done = client.completions.create(model=served_name(hsx), prompt=ids, max_tokens=1)
     return dict(done.model_extra["kv_transfer_params"])
 
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import unquote, urlparse
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.errors import ApiError
+from service.codecs import Codec
 
 
 class OpenAIError(Exception):
@@ -190,6 +192,28 @@ def refuse_unsupported(body: Any) -> None:
             raise OpenAIError(400, f"{refusal.field}: {refusal.reason}", param=refusal.field)
 
 
+class HsxExtras(BaseModel):
+    """hsx's fields in a request's extra body (``extra_body`` of OpenAI's clients),
+    typed as on ``/extract``; whether the server offers them is checked after."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    codec: Codec | None = None
+    layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+
+
+def hsx_extras(body: Any) -> HsxExtras:
+    """The ``codec`` and ``layers`` a client sent; 400 naming the field if mistyped."""
+    try:
+        return HsxExtras.model_validate(body.model_extra or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = first["loc"]
+        param = str(loc[0]) + "".join(f"[{p}]" for p in loc[1:] if isinstance(p, int))
+        message = f"{param}: {first['msg']}"
+        raise OpenAIError(400, message, param=param) from None
+
+
 def requested_max_tokens(body: Any, *names: str) -> int:
     """The first of ``names`` the client sent, else 1.
 
@@ -223,6 +247,7 @@ def transfer_params(extraction: Any) -> dict[str, Any]:
         "shape": list(extraction.shape),
         "bytes": extraction.size,
         "sha256": extraction.sha256,
+        "codec": extraction.codec,
     }
 
 

@@ -1,4 +1,5 @@
-"""A Python client for hsx, for trainers: no vLLM, only httpx, safetensors and torch.
+"""A Python client for hsx, for trainers: no vLLM, only httpx, safetensors, torch and
+zstandard (through ``service.codecs``, which decodes every codec to model-dtype states).
 
 ``HsxClient`` extracts, reads and deletes objects over HTTP; ``HsxTransfer`` is an
 ``hs_connectors.HiddenStatesTransfer`` that reads the objects named in

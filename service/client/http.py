@@ -1,4 +1,8 @@
-"""``HsxClient``: ``POST /extract``, ``GET`` and ``DELETE /objects/{key}`` over httpx."""
+"""``HsxClient``: ``POST /extract``, ``GET`` and ``DELETE /objects/{key}`` over httpx.
+
+Objects are decoded here, by ``service.codecs`` (torch, safetensors and zstandard
+only), so a reader gets model-dtype states whatever codec stored them.
+"""
 
 from __future__ import annotations
 
@@ -51,29 +55,45 @@ class HsxClient:
         max_tokens: int = 1,
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
+        codec: str | None = None,
+        layers: Sequence[int] | None = None,
+        loss: str | None = None,
     ) -> dict[str, Any]:
         """``POST /extract``: the response, whose every object is durable.
 
         A prompt is text, a list of token ids, or an object with one of ``text``,
-        ``token_ids``, ``messages``. Raises HsxError on any error answer.
+        ``token_ids``, ``messages``. ``codec``, ``layers`` and ``loss`` are sent only
+        when given (the server's default codec, all its layers, no mask otherwise).
+        Raises HsxError on any error answer.
         """
-        body = {
+        body: dict[str, Any] = {
             "prompts": [_prompt(p) for p in prompts],
             "max_tokens": max_tokens,
             "include_output_tokens": include_output_tokens,
             "metadata": dict(metadata or {}),
         }
+        if codec is not None:
+            body["codec"] = codec
+        if layers is not None:
+            body["layers"] = list(layers)
+        if loss is not None:
+            body["loss"] = loss
         return dict(_checked(self._http.post("/extract", json=body)).json())
 
-    def get_bytes(self, key: str) -> bytes:
-        """The object's safetensors bytes (from S3 through the presigned redirect)."""
-        return _checked(self._http.get(f"/objects/{key}")).content
+    def get_bytes(self, key: str, *, decode: bool = False) -> bytes:
+        """The object's safetensors bytes as stored (from S3 through the presigned
+        redirect); with ``decode``, as a ``raw`` object (model-dtype states)."""
+        data = _checked(self._http.get(f"/objects/{key}")).content
+        if not decode:
+            return data
+        from service.codecs import to_raw
+
+        return to_raw(data)
 
     def get(self, key: str) -> dict[str, Any]:
-        """The object's tensors: ``hidden_states`` and ``token_ids`` (torch)."""
-        from safetensors.torch import load
-
-        return dict(load(self.get_bytes(key)))
+        """The object's tensors: ``hidden_states`` in the model dtype whatever the
+        codec, ``token_ids``, and ``loss_mask`` where stored (torch)."""
+        return decode_object(self.get_bytes(key))
 
     def delete(self, key: str) -> None:
         """Remove the object; HsxError (404) if it is not there."""
@@ -92,6 +112,14 @@ class HsxClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def decode_object(data: bytes) -> dict[str, Any]:
+    """An object's tensors, its states decoded to the model dtype (any codec)."""
+    from service.codecs import decode
+
+    tensors, _ = decode(data)
+    return dict(tensors)
 
 
 def _prompt(prompt: Prompt) -> Any:

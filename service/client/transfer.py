@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from service.client.http import HsxClient
+from service.client.http import HsxClient, decode_object
 
 
 class HsxTransfer:
@@ -52,18 +52,18 @@ class HsxTransfer:
         return self._client
 
     def get_cached(self, file_idx: int) -> dict[str, Any] | None:
-        """A sample written earlier as ``cache_dir/hs_{file_idx}.safetensors``, or None."""
+        """A sample written earlier as ``cache_dir/hs_{file_idx}.safetensors``, or None;
+        its states in the model dtype, whatever codec stored them."""
         if self.cache_dir is None:
             return None
         path = self.cache_dir / f"hs_{file_idx}.safetensors"
         if not path.is_file():
             return None
-        from safetensors.torch import load_file
-
-        return dict(load_file(path))
+        return decode_object(path.read_bytes())
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, Any] | None:
-        """The tensors of the object named by a completion's ``kv_transfer_params``."""
+        """The tensors of the object named by a completion's ``kv_transfer_params``
+        (states in the model dtype, whatever the codec)."""
         key = str(hs_transfer_params["handle"])
         for name in ("handle", "hidden_states_path"):
             if hs_transfer_params.get(name):

@@ -25,6 +25,14 @@ def counter(url: str, name: str) -> float:
     return total
 
 
+def served_name(engine: ServerThread) -> str:
+    """The model name the server answers to (``/v1/models``): a local model's directory
+    name, never its path."""
+    from service.engine.builder import served_model_name
+
+    return served_model_name(str(engine.extractor.info.name))
+
+
 def engine_requests(url: str) -> float:
     """Requests the engine finished, whatever the reason (vLLM's own counter)."""
     return counter(url, "vllm:request_success_total")

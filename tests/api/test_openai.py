@@ -9,9 +9,8 @@ import httpx
 import openai
 import pytest
 
-from service.engine.builder import served_model_name
 from tests.api.conftest import AUTH_A, KEY_A, ServerThread
-from tests.api.openai_helpers import assert_durable, vllm_render
+from tests.api.openai_helpers import assert_durable, served_name, vllm_render
 from tests.engine.conftest import random_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -31,7 +30,7 @@ def sync_client(local_url: str) -> Any:
 
 
 def model_name(engine: ServerThread) -> str:
-    return served_model_name(engine.extractor.info.name)
+    return served_name(engine)
 
 
 def test_models_in_openai_shape(sync_client: Any, local_engine: ServerThread) -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from service.client import HsxClient, HsxError, HsxTransfer
-from service.engine.builder import served_model_name
 from tests.api.conftest import KEY_A, KEY_B, ServerThread
+from tests.api.openai_helpers import served_name
 from tests.engine.conftest import random_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -49,9 +49,7 @@ def test_transfer_reads_and_deletes_what_a_completion_names(
     assert transfer.get_cached(0) is None  # no cache directory: generate every sample
     ids = random_prompts([21], seed=62)[0]
     with openai.OpenAI(base_url=f"{local_url}/v1", api_key=KEY_A, max_retries=0) as oai:
-        done = oai.completions.create(
-            model=served_model_name(local_engine.extractor.info.name), prompt=ids, max_tokens=1
-        )
+        done = oai.completions.create(model=served_name(local_engine), prompt=ids, max_tokens=1)
     params = done.model_extra["kv_transfer_params"]
     transfer.setup()
     tensors = transfer.get_generated(params)

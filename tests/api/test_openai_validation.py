@@ -8,9 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.engine.builder import served_model_name
 from tests.api.conftest import AUTH_A, ServerThread
-from tests.api.openai_helpers import counter, engine_requests
+from tests.api.openai_helpers import counter, engine_requests, served_name
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -103,7 +102,7 @@ def test_bad_input_is_refused_before_the_engine(
     status: int,
     param: str | None,
 ) -> None:
-    body = {"model": served_model_name(local_engine.extractor.info.name), **body}
+    body = {"model": served_name(local_engine), **body}
     engine, prompts = engine_requests(local_url), counter(local_url, "hsx_extract_prompts_total")
     response = client.post(path, json=body, headers=AUTH_A)
     assert response.status_code == status, response.text

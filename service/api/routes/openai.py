@@ -5,7 +5,9 @@ Requests parse with vLLM's protocol models and render with vLLM's renderer
 (limits, admission, deadline, disconnect, metrics), so an answer leaves only once
 every object is durable. Each choice carries ``kv_transfer_params`` naming its object
 (``hidden_states_path``, ``handle``), as vLLM's ``extract_hidden_states`` connector
-reports them; the top level carries the first prompt's.
+reports them, plus its ``codec``; the top level carries the first prompt's. hsx's own
+fields travel in the extra body (``extra_body`` of OpenAI's clients): ``codec`` and
+``layers``, typed and checked as on ``/extract`` before anything is rendered.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ from vllm.entrypoints.serve.tokenize.protocol import (
     TokenizeResponse,
 )
 
+from service.api.codec_params import check_codec_params
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.openai_protocol import (
+    HsxExtras,
     OpenAIError,
     OpenAIRoute,
     finish_reason,
+    hsx_extras,
     refuse_unsupported,
     requested_max_tokens,
     transfer_params,
@@ -84,10 +89,11 @@ async def completions(
     """Hidden states of each prompt (token ids or text); answers once objects are durable."""
     many = _is_list_of_prompts(body.prompt)
     field = "prompt[]" if many else "prompt"
-    vllm, max_tokens = await _checked(request, state, body, len(body.prompt) if many else 1, field)
+    count = len(body.prompt) if many else 1
+    vllm, max_tokens, extras = await _checked(request, state, body, count, field)
     rendered = await _vllm(vllm.render.render_completion_request(body, request))
     prompts = [list(r.token_ids) for r in rendered]
-    outcomes = await _extract(request, state, namespace, prompts, max_tokens, field)
+    outcomes = await _extract(request, state, namespace, prompts, max_tokens, extras, field)
     return JSONResponse(_completion(state, body, prompts, outcomes, max_tokens).model_dump())
 
 
@@ -96,10 +102,10 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> JSONResponse:
     """Hidden states of the rendered conversation; answers once the object is durable."""
-    vllm, max_tokens = await _checked(request, state, body, 1, "messages")
+    vllm, max_tokens, extras = await _checked(request, state, body, 1, "messages")
     rendered = await _vllm(vllm.render.render_chat_request(body, request))
     prompt = list(rendered.token_ids)
-    (outcome,) = await _extract(request, state, namespace, [prompt], max_tokens, "messages")
+    (outcome,) = await _extract(request, state, namespace, [prompt], max_tokens, extras, "messages")
     return JSONResponse(_chat(state, body, prompt, outcome, max_tokens).model_dump())
 
 
@@ -133,8 +139,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
 
 async def _checked(
     request: Request, state: ApiState, body: Any, prompts: int, prompt_field: str
-) -> tuple[VllmFrontEnd, int]:
-    """Checks before rendering: the model (404), refused fields, prompt and token limits."""
+) -> tuple[VllmFrontEnd, int, HsxExtras]:
+    """Checks before rendering: the model (404), refused fields, hsx's extra fields
+    (``codec``, ``layers``), prompt and token limits."""
     vllm = front_end(request)
     wrong_model = await vllm.registry.check_model(body.model)
     if wrong_model is not None:
@@ -143,6 +150,8 @@ async def _checked(
     try:
         refuse_unsupported(body)
         max_tokens = requested_max_tokens(body, "max_completion_tokens", "max_tokens")
+        extras = hsx_extras(body)
+        check_codec_params(state.extractor, extras.codec, extras.layers)
         placeholder = ExtractRequest.model_construct(prompts=[""] * prompts, max_tokens=max_tokens)
         check_request_limits(placeholder, state.settings.limits)
     except OpenAIError:
@@ -151,7 +160,7 @@ async def _checked(
     except ApiError as error:
         state.metrics.rejected(error.detail.type)
         raise OpenAIError.from_api_error(error, prompt_field) from None
-    return vllm, max_tokens
+    return vllm, max_tokens, extras
 
 
 async def _vllm(work: Awaitable[T]) -> T:
@@ -173,6 +182,7 @@ async def _extract(
     namespace: str,
     prompts: list[list[int]],
     max_tokens: int,
+    extras: HsxExtras,
     prompt_field: str,
 ) -> list[Any]:
     """Run the prompts exactly as ``/extract`` does; every object durable, or an error."""
@@ -181,6 +191,8 @@ async def _extract(
         max_tokens=max_tokens,
         include_output_tokens=False,
         metadata={},
+        codec=extras.codec,
+        layers=extras.layers,
     )
     try:
         outcomes = await execute(body, request, state, namespace)
