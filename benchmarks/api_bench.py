@@ -199,9 +199,12 @@ class _InstantExtractor:
     """Answers at once: what is left of a request's time is the HTTP stack's own."""
 
     def __init__(self, real: Any) -> None:
-        self.info, self.layer_ids, self.dtype = real.info, real.layer_ids, real.dtype
-        self.max_model_len, self.tokenizer, self.storage = real.max_model_len, None, real.storage
-        self.metrics, self.alive = real.metrics, True
+        self._real = real
+        self.tokenizer, self.alive = None, True
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything but extract (model facts, codecs, storage, metrics) is the real one's.
+        return getattr(self._real, name)
 
     async def extract(self, ids: list[int], **_: Any) -> Any:
         from service.engine.wire import Extraction
