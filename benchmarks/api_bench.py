@@ -93,20 +93,21 @@ async def run(scratch: Path, timer: Timer) -> list[Row]:
 
 
 async def _http(url: str, bodies: list[Any], repeats: int, scratch: Path) -> list[float]:
-    """Wall times measured by a separate client process (``benchmarks.http_client``)."""
-    path = scratch / "bodies.json"
-    path.write_text(json.dumps(bodies))
+    """Wall times of posting ``bodies`` to /extract (``benchmarks.http_client``)."""
+    return await _client("benchmarks.http_client", url, bodies, repeats, scratch)
+
+
+async def _client(
+    module: str, url: str, payload: list[Any], repeats: int, scratch: Path
+) -> list[float]:
+    """Wall times measured by a separate client process, as real clients run."""
+    path = scratch / "payload.json"
+    path.write_text(json.dumps(payload))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "benchmarks.http_client",
-        url,
-        str(path),
-        str(repeats),
-        stdout=asyncio.subprocess.PIPE,
+        sys.executable, "-m", module, url, str(path), str(repeats), stdout=asyncio.subprocess.PIPE
     )
     out, _ = await proc.communicate()
-    assert proc.returncode == 0, "HTTP client failed"
+    assert proc.returncode == 0, f"{module} failed"
     return [float(t) for t in json.loads(out)]
 
 
@@ -136,20 +137,7 @@ async def _throughput(extractor: Any, url: str, timer: Timer, scratch: Path) -> 
 
 async def _posts(url: str, requests: list[Any], repeats: int, scratch: Path) -> list[float]:
     """Wall times of posting ``[path, body]`` pairs at once (``benchmarks.paths_client``)."""
-    path = scratch / "requests.json"
-    path.write_text(json.dumps(requests))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "benchmarks.paths_client",
-        url,
-        str(path),
-        str(repeats),
-        stdout=asyncio.subprocess.PIPE,
-    )
-    out, _ = await proc.communicate()
-    assert proc.returncode == 0, "HTTP client failed"
-    return [float(t) for t in json.loads(out)]
+    return await _client("benchmarks.paths_client", url, requests, repeats, scratch)
 
 
 async def _completions_vs_extract(extractor: Any, url: str, scratch: Path) -> Row:
