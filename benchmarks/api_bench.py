@@ -61,22 +61,28 @@ async def _serve(settings: Settings, extractor: Any) -> tuple[Any, asyncio.Task[
     return server, task, f"http://127.0.0.1:{port}"
 
 
-async def run(scratch: Path, timer: Timer) -> list[Row]:
-    """Throughput and latency rows."""
-    from service.engine.extractor import Extractor
+def bench_settings(scratch: Path, name: str, **limits: Any) -> Settings:
+    """The tiny dense demo model (float32, 1 GiB KV cache) and storage under ``scratch``."""
     from service.engine.tiny_models import make_model
 
-    model = make_model(scratch / "model", "llama")
-    settings = Settings(
+    model = make_model(scratch / f"{name}-model", "llama")
+    return Settings(
         engine={
             "model": str(model),
             "dtype": "float32",
             "max_model_len": 1024,
             "cpu_kvcache_space_gib": 1,
         },
-        storage={"url": str(scratch / "api-objects")},
-        limits={"max_prompts": 64},
+        storage={"url": str(scratch / f"{name}-objects")},
+        limits={"max_prompts": 64, **limits},
     )
+
+
+async def run(scratch: Path, timer: Timer) -> list[Row]:
+    """Throughput and latency rows."""
+    from service.engine.extractor import Extractor
+
+    settings = bench_settings(scratch, "api")
     extractor = await Extractor.start(settings)
     server, task, url = await _serve(settings, extractor)
     try:

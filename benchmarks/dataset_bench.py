@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.storage_bench import Row, Timer, _ms
-from service.config import Settings
 
 PROMPTS = int(os.environ.get("HSX_BENCH_DATASET_PROMPTS", "256"))
 ROUNDS = int(os.environ.get("HSX_BENCH_DATASET_ROUNDS", "3"))
@@ -36,21 +35,10 @@ NOTES = f"""- **dataset runner vs in-process**: {PROMPTS} token-id prompts of 32
 
 async def run(scratch: Path, timer: Timer) -> list[Row]:
     """The runner-vs-in-process row."""
-    from benchmarks.api_bench import _serve
+    from benchmarks.api_bench import _serve, bench_settings
     from service.engine.extractor import Extractor
-    from service.engine.tiny_models import make_model
 
-    model = make_model(scratch / "dataset-model", "llama")
-    settings = Settings(
-        engine={
-            "model": str(model),
-            "dtype": "float32",
-            "max_model_len": 1024,
-            "cpu_kvcache_space_gib": 1,
-        },
-        storage={"url": str(scratch / "dataset-objects")},
-        limits={"max_prompts": 64, "max_queued_prompts": 4096},
-    )
+    settings = bench_settings(scratch, "dataset", max_queued_prompts=4096)
     extractor = await Extractor.start(settings)
     server, task, url = await _serve(settings, extractor)
     try:

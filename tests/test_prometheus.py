@@ -11,13 +11,11 @@ work that was done.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.test_serve import serving
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,33 +59,11 @@ def wait_for(check: Any, what: str, limit_s: float = 300) -> Any:
 
 @pytest.fixture(scope="module")
 def hsx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``hsx serve`` with the demo model, in a clean environment."""
-    cwd = tmp_path_factory.mktemp("hsx")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
-    with (cwd / "serve.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(port)],
-            cwd=cwd,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(
-            lambda: proc.poll() is None and httpx.get(f"{url}/ready", timeout=2).is_success,
-            f"hsx to become ready:\n{(cwd / 'serve.log').read_text()[-2000:]}",
-            limit_s=600,
-        )
+    """``hsx serve`` with the demo model, in a clean environment; SIGTERM at the end."""
+    with serving(tmp_path_factory.mktemp("hsx"), {}) as (proc, url):
         yield url
-    finally:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        proc.wait(120)
 
 
 @pytest.fixture(scope="module")
