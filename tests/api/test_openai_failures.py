@@ -52,7 +52,10 @@ def test_deadline_is_504_and_leaves_nothing(local_engine: ServerThread) -> None:
 
 def test_disconnect_aborts_the_engine_requests(local_url: str, local_engine: ServerThread) -> None:
     before = objects_under(local_engine.root, "team-a")  # type: ignore[attr-defined]
-    body = {"messages": [{"role": "user", "content": "fox " * 60}], "max_tokens": 64}
+    body = {
+        "messages": [{"role": "user", "content": "fox " * 60}],
+        "max_tokens": 256,
+    }  # seconds of work: the 0.2 s read times out first
     with (
         httpx.Client(base_url=local_url, timeout=httpx.Timeout(30, read=0.2)) as short,
         pytest.raises(httpx.ReadTimeout),
