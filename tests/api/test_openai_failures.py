@@ -50,17 +50,18 @@ def test_deadline_is_504_and_leaves_nothing(local_engine: ServerThread) -> None:
     assert objects_under(local_engine.root, "team-a") == before  # type: ignore[attr-defined]
 
 
-def test_disconnect_aborts_the_engine_requests(local_url: str, local_engine: ServerThread) -> None:
+def test_disconnect_aborts_the_engine_requests(local_engine: ServerThread) -> None:
+    # 32 prompts of 200 tokens through a 64-token prefill budget, then up to 256 tokens
+    # each: seconds of work on any machine, so the 1 s read timeout always comes first
+    # and the engine is still busy when the client goes.
+    url = local_engine.serve(max_prompts=32, max_total_tokens=20000, max_tokens=256)
     before = objects_under(local_engine.root, "team-a")  # type: ignore[attr-defined]
-    body = {
-        "messages": [{"role": "user", "content": "fox " * 60}],
-        "max_tokens": 256,
-    }  # seconds of work: the 0.2 s read times out first
+    body = {"prompt": random_prompts([200] * 32, seed=53), "max_tokens": 256}
     with (
-        httpx.Client(base_url=local_url, timeout=httpx.Timeout(30, read=0.2)) as short,
+        httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=1.0)) as short,
         pytest.raises(httpx.ReadTimeout),
     ):
-        short.post("/v1/chat/completions", json=body, headers=AUTH_A)
+        short.post("/v1/completions", json=body, headers=AUTH_A)
     assert wait_until_idle(local_engine) < 2.0
     time.sleep(0.3)
     assert objects_under(local_engine.root, "team-a") == before  # type: ignore[attr-defined]
