@@ -12,6 +12,8 @@ import random
 import socket
 import statistics
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +21,26 @@ from benchmarks.storage_bench import Row, Timer, _ms
 from service.config import Settings
 from service.engine.builder import served_model_name
 
-NOTES = """- **HTTP vs in-process throughput**: 32 prompts of 32-256 tokens, as 4 concurrent
+NOTES = """- **Prompts in the engine benches**: every timed batch is a fresh set of random
+  prompts (the same lengths each time, new tokens). vLLM caches prefixes, so a prompt
+  sent before costs almost nothing: a bench that repeats its prompts measures overheads
+  on cache hits, not extraction (earlier runs did, and their HTTP ratios swung between
+  0.85 and 1.12). Each pair of sides runs interleaved (ABBA order) after a warm-up of
+  both, 8 rounds; the rows show medians.
+- **HTTP vs in-process throughput**: 32 prompts of 32-256 tokens, as 4 concurrent
   `POST /extract` requests of 8 prompts through a real uvicorn server on 127.0.0.1,
-  against `asyncio.gather` of the same 32 `Extractor.extract` calls. The row shows the
+  against `asyncio.gather` of 32 `Extractor.extract` calls. The row shows the
   times; the ratio is throughput (in-process time / HTTP time), target at least 0.95.
-  The client runs in a process of its own (`benchmarks/http_client.py`), as real
+  The client runs in a process of its own (`benchmarks/paths_client.py`), as real
   clients do; its request encoding and response parsing count against HTTP.
 - **one short prompt, added latency**: a 4-token prompt, one at a time, 30 times each
   way; medians. Target: HTTP adds at most 5 ms.
-- **/v1/completions vs /extract**: the same 32 prompts of 32-256 tokens, one prompt
+- **/v1/completions vs /extract**: 32 prompts of 32-256 tokens, one prompt
   per request and 32 requests at once, as `speculators generate-offline-data` sends
   them (`prompt` = token ids, `max_tokens=1`, `return_token_ids`), against 32
-  one-prompt `POST /extract` requests; both from one client process
-  (`benchmarks/paths_client.py`). The ratio is throughput (/extract time / /v1 time),
-  target at least 0.95: vLLM's request model and renderer cost little beside the engine.
+  one-prompt `POST /extract` requests; both from one client process. The ratio is
+  throughput (/extract time / /v1 time), target at least 0.95: vLLM's request model
+  and renderer cost little beside the engine.
 - **HTTP stack alone**: the same short request against an extractor that answers at
   once, 100 times from the client process: the round trip of uvicorn, FastAPI, auth,
   validation and the client, with no engine competing for the CPU. On a 2-core machine
@@ -78,18 +86,33 @@ def bench_settings(scratch: Path, name: str, **limits: Any) -> Settings:
     )
 
 
-async def run(scratch: Path, timer: Timer) -> list[Row]:
+def prompt_lengths(count: int, seed: int) -> list[int]:
+    """``count`` prompt lengths of 32-256 tokens: one distribution for every prompt set."""
+    rng = random.Random(seed)
+    return [rng.randrange(32, 257) for _ in range(count)]
+
+
+def fresh_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """Random token ids of these lengths. Every timed batch gets a set of its own: the
+    engine caches prefixes, and a prompt seen before costs almost nothing, so a bench
+    that repeats prompts measures overheads, not the work (a dataset does not repeat)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     """Throughput and latency rows."""
     from service.engine.extractor import Extractor
 
     settings = bench_settings(scratch, "api")
     extractor = await Extractor.start(settings)
     server, task, url = await _serve(settings, extractor)
+    rounds = 2 if quick else 8
     try:
         return [
-            await _throughput(extractor, url, timer, scratch),
+            await _throughput(extractor, url, scratch, rounds),
             await _latency(extractor, url, timer, scratch),
-            await _completions_vs_extract(extractor, url, scratch),
+            await _completions_vs_extract(extractor, url, scratch, rounds),
             await _stack_alone(settings, extractor, scratch),
         ]
     finally:
@@ -98,40 +121,56 @@ async def run(scratch: Path, timer: Timer) -> list[Row]:
         await extractor.close()
 
 
-async def _http(url: str, bodies: list[Any], repeats: int, scratch: Path) -> list[float]:
-    """Wall times of posting ``bodies`` to /extract (``benchmarks.http_client``)."""
-    return await _client("benchmarks.http_client", url, bodies, repeats, scratch)
-
-
-async def _client(
-    module: str, url: str, payload: list[Any], repeats: int, scratch: Path
-) -> list[float]:
-    """Wall times measured by a separate client process, as real clients run."""
+async def _client(url: str, batches: list[list[Any]], scratch: Path) -> list[float]:
+    """Wall times of posting each batch of ``[path, body]`` pairs at once, measured by a
+    separate client process (``benchmarks.paths_client``), as real clients run."""
     path = scratch / "payload.json"
-    path.write_text(json.dumps(payload))
+    path.write_text(json.dumps(batches))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, url, str(path), str(repeats), stdout=asyncio.subprocess.PIPE
-    )
+        sys.executable, "-m", "benchmarks.paths_client", url, str(path),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     out, _ = await proc.communicate()
-    assert proc.returncode == 0, f"{module} failed"
+    assert proc.returncode == 0, "benchmarks.paths_client failed"
     return [float(t) for t in json.loads(out)]
 
 
-async def _throughput(extractor: Any, url: str, timer: Timer, scratch: Path) -> Row:
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(32, 257))] for _ in range(32)]
-    bodies = [{"prompts": [{"token_ids": p} for p in prompts[i : i + 8]]} for i in range(0, 32, 8)]
+async def _interleaved(
+    first: Callable[[int], Awaitable[float]],
+    second: Callable[[int], Awaitable[float]],
+    rounds: int,
+) -> tuple[float, float]:
+    """Median seconds of each side over ``rounds`` rounds (after a warm-up of both), in
+    ABBA order so neither side always runs right after the other; each call gets a
+    seed of its own (fresh prompts)."""
+    await first(-1)
+    await second(-2)
+    a, b = [], []
+    for round_ in range(rounds):
+        pair = (first, a), (second, b)
+        for i, (side, times) in enumerate(pair if round_ % 2 == 0 else pair[::-1]):
+            times.append(await side(1000 * round_ + i))
+    return statistics.median(a), statistics.median(b)
 
-    async def in_process() -> None:
+
+async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int) -> Row:
+    lengths = prompt_lengths(32, 0)
+
+    async def in_process(seed: int) -> float:
+        prompts = fresh_prompts(lengths, seed)
+        start = time.perf_counter()
         await asyncio.gather(*(extractor.extract(p, namespace="bench") for p in prompts))
+        return time.perf_counter() - start
 
-    await in_process()  # warm-up both paths
-    await _http(url, bodies, 1, scratch)
-    inproc_t, http_t = [], []
-    for _ in range(5):  # alternate, so drift hits both sides
-        inproc_t += await timer(in_process, 2)
-        http_t += await _http(url, bodies, 2, scratch)
-    i, h = statistics.median(inproc_t), statistics.median(http_t)
+    async def http(seed: int) -> float:
+        prompts = fresh_prompts(lengths, seed)
+        bodies = [
+            ["/extract", {"prompts": [{"token_ids": p} for p in prompts[i : i + 8]]}]
+            for i in range(0, 32, 8)
+        ]
+        return (await _client(url, [bodies], scratch))[0]
+
+    i, h = await _interleaved(in_process, http, rounds)
     return Row(
         "HTTP vs in-process, 32 prompts (ratio: HTTP throughput / in-process)",
         _ms(h),
@@ -141,30 +180,24 @@ async def _throughput(extractor: Any, url: str, timer: Timer, scratch: Path) -> 
     )
 
 
-async def _posts(url: str, requests: list[Any], repeats: int, scratch: Path) -> list[float]:
-    """Wall times of posting ``[path, body]`` pairs at once (``benchmarks.paths_client``)."""
-    return await _client("benchmarks.paths_client", url, requests, repeats, scratch)
-
-
-async def _completions_vs_extract(extractor: Any, url: str, scratch: Path) -> Row:
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(32, 257))] for _ in range(32)]
+async def _completions_vs_extract(extractor: Any, url: str, scratch: Path, rounds: int) -> Row:
+    lengths = prompt_lengths(32, 1)
     model = served_model_name(extractor.info.name)
-    v1 = [
-        [
-            "/v1/completions",
-            {"model": model, "prompt": p, "max_tokens": 1, "return_token_ids": True},
-        ]
-        for p in prompts
-    ]
-    extract = [["/extract", {"prompts": [{"token_ids": p}]}] for p in prompts]
-    await _posts(url, v1, 1, scratch)  # warm-up both routes (vLLM's renderer included)
-    await _posts(url, extract, 1, scratch)
-    v1_t, extract_t = [], []
-    for _ in range(5):  # alternate, so drift hits both sides
-        v1_t += await _posts(url, v1, 2, scratch)
-        extract_t += await _posts(url, extract, 2, scratch)
-    v, e = statistics.median(v1_t), statistics.median(extract_t)
+
+    async def v1(seed: int) -> float:
+        batch = [
+            ["/v1/completions", {"model": model, "prompt": p, "max_tokens": 1,
+                                 "return_token_ids": True}]
+            for p in fresh_prompts(lengths, seed)
+        ]  # fmt: skip
+        return (await _client(url, [batch], scratch))[0]
+
+    async def extract(seed: int) -> float:
+        prompts = fresh_prompts(lengths, seed)
+        batch = [["/extract", {"prompts": [{"token_ids": p}]}] for p in prompts]
+        return (await _client(url, [batch], scratch))[0]
+
+    v, e = await _interleaved(v1, extract, rounds)
     return Row(
         "/v1/completions vs /extract, 32 one-prompt requests at once (ratio: throughput)",
         _ms(v),
@@ -175,15 +208,16 @@ async def _completions_vs_extract(extractor: Any, url: str, scratch: Path) -> Ro
 
 
 async def _latency(extractor: Any, url: str, timer: Timer, scratch: Path) -> Row:
-    prompt = [5, 6, 7, 8]
+    prompt = [5, 6, 7, 8]  # shorter than a KV block: nothing to find in the prefix cache
 
     async def in_process() -> None:
         await extractor.extract(prompt, namespace="bench")
 
+    request = [["/extract", {"prompts": [{"token_ids": prompt}]}]]
     inproc_t, http_t = [], []
     for _ in range(3):
         inproc_t += await timer(in_process, 10)
-        http_t += await _http(url, [{"prompts": [{"token_ids": prompt}]}], 10, scratch)
+        http_t += await _client(url, [request] * 10, scratch)
     i, h = statistics.median(inproc_t), statistics.median(http_t)
     target = f"added <= 5 ms (got {(h - i) * 1000:.1f} ms)"
     return Row("one short prompt over HTTP vs in-process (median)", _ms(h), _ms(i), h / i, target)
@@ -220,7 +254,8 @@ async def _stack_alone(settings: Settings, extractor: Any, scratch: Path) -> Row
     """The short-prompt request against an instant extractor: HTTP's own round trip."""
     server, task, url = await _serve(settings, _InstantExtractor(extractor))
     try:
-        times = await _http(url, [{"prompts": [{"token_ids": [5, 6, 7, 8]}]}], 100, scratch)
+        request = [["/extract", {"prompts": [{"token_ids": [5, 6, 7, 8]}]}]]
+        times = await _client(url, [request] * 100, scratch)
     finally:
         server.should_exit = True
         await task

@@ -1,9 +1,10 @@
-"""A client process posting to any routes: ``/extract`` and ``/v1/completions`` alike.
+"""The client side of the API benchmarks, in a process of its own, like a real client.
 
-``python -m benchmarks.paths_client URL REQUESTS.json REPEATS``: ``REQUESTS.json`` is a
-list of ``[path, body]`` pairs, all posted concurrently (one connection each, as
-``generate-offline-data``'s workers do), REPEATS times in a row; prints the wall time of
-each repeat as a JSON list of seconds.
+``python -m benchmarks.paths_client URL BATCHES.json``: ``BATCHES.json`` is a list of
+batches, each a list of ``[path, body]`` pairs (``/extract`` and ``/v1/completions``
+alike). The pairs of one batch are posted concurrently (one connection each, as
+``generate-offline-data``'s workers do), the batches one after another; prints the
+wall time of each batch as a JSON list of seconds.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from typing import Any
 import httpx
 
 
-async def main(url: str, requests: list[tuple[str, Any]], repeats: int) -> list[float]:
-    limits = httpx.Limits(max_connections=len(requests))
+async def main(url: str, batches: list[list[tuple[str, Any]]]) -> list[float]:
+    limits = httpx.Limits(max_connections=max(len(b) for b in batches))
     times = []
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         await client.get("/health")  # connect before timing
-        for _ in range(repeats):
+        for batch in batches:
             start = time.perf_counter()
-            responses = await asyncio.gather(*(client.post(p, json=b) for p, b in requests))
+            responses = await asyncio.gather(*(client.post(p, json=b) for p, b in batch))
             times.append(time.perf_counter() - start)
             for response in responses:
                 response.raise_for_status()
@@ -33,5 +34,5 @@ async def main(url: str, requests: list[tuple[str, Any]], repeats: int) -> list[
 
 
 if __name__ == "__main__":
-    url, path, repeats = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    print(json.dumps(asyncio.run(main(url, json.loads(path.read_text()), repeats))))
+    url, path = sys.argv[1], Path(sys.argv[2])
+    print(json.dumps(asyncio.run(main(url, json.loads(path.read_text())))))
