@@ -57,10 +57,12 @@ def test_a_given_buffer_is_reused_with_a_view_of_the_asked_shape_and_dtype() -> 
     pool = memory.pool(64 * KIB)
     buffer, view = pool.take((7, 3, 8), torch.float32)
     assert (view.shape, view.dtype) == ((7, 3, 8), torch.float32)
-    assert buffer.numel() == 1024 and view.data_ptr() == buffer.data_ptr()  # 672 B, rounded
+    assert buffer.numel() == 1024  # 672 bytes, rounded up to a power of two
+    assert view.data_ptr() == buffer.data_ptr()
     pool.give(buffer)
     again, view = pool.take((5, 3, 8), torch.bfloat16)
-    assert again is buffer and memory.allocations == 1
+    assert again is buffer
+    assert memory.allocations == 1
     assert (view.shape, view.dtype) == ((5, 3, 8), torch.bfloat16)
     assert pool.pinned_bytes == 1024
 
@@ -90,7 +92,8 @@ def test_idle_buffers_are_dropped_largest_first_to_make_room() -> None:
     assert memory.live == pool.pinned_bytes == 18 * KIB
     assert memory.cache_emptied == 1  # and PyTorch is asked to unpin it
     assert take(pool, 2 * KIB)[0].data_ptr() == small_at  # the 2 KiB one stayed
-    assert memory.allocations == 4 and pool.unpinned_takes == 0
+    assert memory.allocations == 4
+    assert pool.unpinned_takes == 0
     assert held.numel() == 8 * KIB
 
 
@@ -102,20 +105,23 @@ def test_without_room_a_take_gets_a_pageable_buffer_that_is_never_pooled() -> No
     assert pool.unpinned_takes == 1
     extra, view = take(pool, 3 * KIB)
     assert extra.numel() == view.numel() == 3 * KIB  # exact size: not a size class
-    assert pool.pinned_bytes == memory.live == 8 * KIB and memory.allocations == 1
+    assert pool.pinned_bytes == memory.live == 8 * KIB
+    assert memory.allocations == 1
     view.fill_(7)  # a usable buffer all the same
     pool.give(extra)
     pool.give(idle)
     pool.give(held)
     assert take(pool, 3 * KIB)[0] is held  # the pageable ones were not kept
-    assert pool.unpinned_takes == 2 and memory.allocations == 1
+    assert pool.unpinned_takes == 2
+    assert memory.allocations == 1
 
 
 def test_an_object_larger_than_the_bound_is_copied_into_pageable_memory() -> None:
     memory = Memory()
     pool = memory.pool(4 * KIB)
     buffer, view = take(pool, 5 * KIB)
-    assert view.numel() == 5 * KIB and pool.pinned_bytes == memory.allocations == 0
+    assert view.numel() == 5 * KIB
+    assert pool.pinned_bytes == memory.allocations == 0
     pool.give(buffer)
     assert take(pool, 4 * KIB)[0].numel() == 4 * KIB  # the bound itself still pools
     assert pool.pinned_bytes == 4 * KIB
@@ -142,7 +148,8 @@ def test_random_takes_and_gives_never_exceed_the_bound_nor_share_a_buffer() -> N
             held.append((buffer, view, step % 251))
         assert memory.live == pool.pinned_bytes <= bound
     # The sequence reached the bound, dropped idle buffers, and reused the rest.
-    assert pool.unpinned_takes > 0 and memory.cache_emptied > 0
+    assert pool.unpinned_takes > 0
+    assert memory.cache_emptied > 0
     assert memory.allocations < 20
 
 

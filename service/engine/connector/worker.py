@@ -236,4 +236,3 @@ def _cuda_wait(started: Any, done: Any) -> Callable[[], float]:
         return float(started.elapsed_time(done)) / 1000.0  # milliseconds
 
     return wait
-
