@@ -85,7 +85,7 @@ class PinnedPool:
         Give the buffer (the first of the pair) back with :meth:`give` once the view's
         data has been used.
         """
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         buffer = self._take_bytes(nbytes)
         return buffer, buffer[:nbytes].view(dtype).view(shape)
 
