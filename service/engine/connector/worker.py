@@ -2,11 +2,11 @@
 
 Only tensor-parallel rank 0 copies and writes; the other ranks only install the CPU
 Mamba fix. Copies run after the forward pass that finished the request, off its
-critical path on CUDA (a side stream into reused pinned buffers, no more of them than
-the in-flight ceiling: ``pinned.py``); a request's blocks go
-back to vLLM once its copy is complete. Only the request's layers are gathered, and on
-CUDA the codec's device stage (fp8 quantisation, bf16 cast) runs before the copy, so the
-copy and the pinned buffers shrink with it.
+critical path on CUDA (a side stream into reused pinned buffers, no more bytes of them
+than the in-flight ceiling: ``pinned.py``); a request's blocks go back to vLLM once its
+copy is complete. Only the request's layers are gathered, and on CUDA the codec's
+device stage (fp8 quantisation, bf16 cast) runs before the copy, so the copy and the
+pinned buffers shrink with it.
 """
 
 from __future__ import annotations
