@@ -97,7 +97,9 @@ def test_idle_buffers_are_dropped_largest_first_to_make_room() -> None:
     assert held.numel() == 8 * KIB
 
 
-def test_without_room_a_take_gets_a_pageable_buffer_that_is_never_pooled() -> None:
+def test_without_room_a_take_gets_a_pageable_buffer_that_is_never_pooled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     memory = Memory()
     pool = memory.pool(8 * KIB)
     held, _ = take(pool, 8 * KIB)
@@ -114,6 +116,9 @@ def test_without_room_a_take_gets_a_pageable_buffer_that_is_never_pooled() -> No
     assert take(pool, 3 * KIB)[0] is held  # the pageable ones were not kept
     assert pool.unpinned_takes == 2
     assert memory.allocations == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1  # said once, counted after
+    assert "at their bound (8192 bytes" in warnings[0]
 
 
 def test_an_object_larger_than_the_bound_is_copied_into_pageable_memory() -> None:

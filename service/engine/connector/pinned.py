@@ -20,11 +20,14 @@ ones alike.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 Allocate = Callable[[int], torch.Tensor]
 
@@ -114,6 +117,13 @@ class PinnedPool:
             dropped.clear()  # the last references: PyTorch can free them now
             self._empty_cache()
         if not pooled:
+            if self._unpinned == 1:  # once: the counter tells the rest
+                log.warning(
+                    "pinned buffers at their bound (%d bytes, the in-flight ceiling): a "
+                    "%d-byte copy goes through pageable memory and waits for the GPU",
+                    self.max_bytes,
+                    nbytes,
+                )
             return torch.empty(nbytes, dtype=torch.uint8)
         try:
             buffer = self._allocate(size)
