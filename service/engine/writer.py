@@ -154,6 +154,9 @@ class WriterPool:
                 data = await asyncio.to_thread(self._prepare, job)
                 shape = tuple(job.hidden_states.shape)
                 job.hidden_states = job.prepared = None  # encoded: the host copy can go
+                # Now, not after the put: from here the ceiling counts only the encoded
+                # bytes, so a pinned buffer kept longer would be memory it does not count.
+                _release(job)
                 self._shrink(job, len(data))
                 ref = await self._storage.put(job.key, data)
                 stored = StoredObject(
@@ -171,7 +174,7 @@ class WriterPool:
                 failure = _failure(exc)
                 log.warning("hidden-state object %s not written: %s", job.key, failure.message)
             finally:
-                job.release()
+                _release(job)
         await self._complete(job.key, job.nbytes, stored=stored, failure=failure)
 
     def _prepare(self, job: WriteJob) -> bytes:
@@ -223,6 +226,16 @@ class WriterPool:
 
     async def _close_sender(self) -> None:
         self._sender.close()
+
+
+def _release(job: WriteJob) -> None:
+    """Run ``job``'s release once (after encoding, or on failure)."""
+    release, job.release = job.release, _nothing
+    release()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _count(loss_mask: Any) -> int | None:

@@ -1,27 +1,38 @@
-"""The worker half's copy-out, without an engine: slots gathered right, timed honestly."""
+"""The worker half's copy-out, without an engine: slots gathered right, timed honestly.
+
+On CUDA: the side-stream gather into pooled pinned buffers gives the bytes a plain copy
+gives, for every codec with a device stage, and the pool stays within its bound.
+"""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from service import codecs
+from service.codecs import Codec
 from service.config import StorageSettings
 from service.engine.connector.common import PendingSave
 from service.engine.connector.worker import HsxConnectorWorker, slot_indices
 from service.engine.wire import ConnectorConfig
+from service.engine.writer import WriteJob
 
 BLOCK = 4
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path copies synchronously)"
+)
 
 
-def worker(cache: torch.Tensor) -> HsxConnectorWorker:
+def worker(cache: torch.Tensor, ceiling: int = 1024**2) -> HsxConnectorWorker:
     config = ConnectorConfig(
         model_name="m",
         completion_address="ipc:///unused",
         storage=StorageSettings(url="/unused"),
-        max_bytes_in_flight=1,
+        max_bytes_in_flight=ceiling,
     )
     half = HsxConnectorWorker(SimpleNamespace(), config, BLOCK)  # type: ignore[arg-type]
     half._cache = cache  # what register_kv_caches finds in a real engine
@@ -38,8 +49,16 @@ def expected(states: torch.Tensor, block_ids: list[int], tokens: int) -> torch.T
     return torch.stack(rows).cpu()
 
 
-def save(block_ids: list[int], tokens: int) -> PendingSave:
-    return PendingSave("r1", "hsx/t/k", list(range(tokens)), block_ids, {})
+def save(
+    block_ids: list[int],
+    tokens: int,
+    codec: Codec = "raw",
+    layer_index: list[int] | None = None,
+    req_id: str = "r1",
+) -> PendingSave:
+    return PendingSave(
+        req_id, "hsx/t/k", list(range(tokens)), block_ids, {}, codec=codec, layer_index=layer_index
+    )
 
 
 def test_slot_indices_follow_the_block_table() -> None:
@@ -60,7 +79,7 @@ def test_cpu_copy_out_is_a_private_copy_of_the_slots() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_cuda_copy_out_is_exact_and_times_the_copy() -> None:
     states = cache("cuda")
     half = worker(states)
@@ -75,3 +94,82 @@ def test_cuda_copy_out_is_exact_and_times_the_copy() -> None:
     job.release()
     again: Any = half._pinned.take((7, 3, 8), torch.float32)
     assert again[0].is_pinned()  # the buffer went back to the pool and is reused
+
+
+def plain_copies(
+    states: torch.Tensor, block_ids: list[int], tokens: int, codec: Codec, index: Any
+) -> dict[str, torch.Tensor]:
+    """The codec's device stage on a plain gather, then a plain ``.cpu()`` of each tensor;
+    each checked against a plain pinned copy of the same device bytes first."""
+    blocks, offsets = slot_indices(block_ids, BLOCK, tokens)
+    gathered = states[blocks.cuda(), :, offsets.cuda()]
+    if index is not None:
+        gathered = gathered[:, index]
+    copies = {}
+    for name, tensor in codecs.prepare(codec, gathered).items():
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        pinned.copy_(tensor, non_blocking=True)
+        torch.cuda.synchronize()
+        copies[name] = tensor.cpu()
+        assert same_bytes(pinned, copies[name])
+    return copies
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical (fp8 has no ``torch.equal``; NaN payloads count too)."""
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def check(job: WriteJob, expected: dict[str, torch.Tensor]) -> None:
+    job.wait_copied()
+    assert job.prepared is not None
+    assert set(job.prepared) == set(expected)
+    for name, tensor in expected.items():
+        assert same_bytes(job.prepared[name], tensor), name
+    assert job.hidden_states is job.prepared["hidden_states"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layer_index", [None, [0, 2]])
+@pytest.mark.parametrize("codec", ["raw", "fp8", "bf16"])
+def test_cuda_copy_out_gives_the_bytes_of_a_plain_copy(
+    codec: Codec, layer_index: list[int] | None
+) -> None:
+    states = cache("cuda")
+    half = worker(states)
+    job = half._copy_out(save([4, 1, 5], 10, codec, layer_index), nbytes=0)
+    index = None if layer_index is None else torch.tensor(layer_index, device="cuda")
+    check(job, plain_copies(states, [4, 1, 5], 10, codec, index))
+    assert job.prepared is not None
+    assert all(t.is_pinned() for t in job.prepared.values())
+    job.release()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_copy_outs_stay_within_the_pool_bound() -> None:
+    states = torch.randn(64, 3, BLOCK, 8, device="cuda")
+    ceiling = 4096  # a few objects' worth: idle buffers must make room, or take turns
+    half = worker(states, ceiling)
+    rng = random.Random(0)
+    pending: list[tuple[WriteJob, dict[str, torch.Tensor]]] = []
+    for i in range(80):
+        # Mostly small objects, some larger than the whole bound (200 tokens: 19 KB raw).
+        tokens = 200 if i % 20 == 7 else rng.randrange(1, 41)
+        block_ids = rng.sample(range(64), -(-tokens // BLOCK))
+        codec: Codec = rng.choice(["raw", "fp8", "bf16"])
+        job = half._copy_out(save(block_ids, tokens, codec, req_id=f"r{i}"), nbytes=0)
+        pending.append((job, plain_copies(states, block_ids, tokens, codec, None)))
+        assert half._pinned.pinned_bytes <= ceiling
+        if len(pending) > 3:  # the writer gives buffers back as it encodes
+            job, expected = pending.pop(0)
+            check(job, expected)
+            job.release()
+    for job, expected in pending:
+        check(job, expected)
+        job.release()
+    assert 0 < half._pinned.pinned_bytes <= ceiling
+    assert half._pinned.unpinned_takes >= 4  # the large ones, copied exactly all the same

@@ -97,6 +97,20 @@ async def test_a_loss_mask_is_stored_and_its_tokens_counted(rig: Rig) -> None:
     assert plain.stored.num_loss_tokens is None
 
 
+@pytest.mark.parametrize("namespace", ["team", "fail-here"])
+async def test_the_host_copy_is_released_once_encoded_before_the_put(
+    rig: Rig, namespace: str
+) -> None:
+    # The ceiling counts an object at its encoded size once encoded: a pinned buffer
+    # kept until the put is durable would be memory nothing counts.
+    job = rig.job(states(), namespace=namespace)
+    released: list[bool] = []
+    job.release = lambda: released.append((rig.root / job.key).exists())
+    completion = await rig.write(job)
+    assert released == [False]  # once, before the object existed
+    assert (completion.stored is None) == namespace.startswith("fail")
+
+
 def test_the_ceiling_holds_but_lets_one_large_object_through(tmp_path: Path) -> None:
     async def run() -> None:
         receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")

@@ -2,16 +2,16 @@
 
 Only tensor-parallel rank 0 copies and writes; the other ranks only install the CPU
 Mamba fix. Copies run after the forward pass that finished the request, off its
-critical path on CUDA (a side stream into reused pinned buffers); a request's blocks go
-back to vLLM once its copy is complete. Only the request's layers are gathered, and on
-CUDA the codec's device stage (fp8 quantisation, bf16 cast) runs before the copy, so the
-copy and the pinned buffers shrink with it.
+critical path on CUDA (a side stream into reused pinned buffers, no more bytes of them
+than the in-flight ceiling: ``pinned.py``); a request's blocks go back to vLLM once its
+copy is complete. Only the request's layers are gathered, and on CUDA the codec's
+device stage (fp8 quantisation, bf16 cast) runs before the copy, so the copy and the
+pinned buffers shrink with it.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +22,7 @@ import torch
 from service import codecs
 from service.engine.completion import CompletionSender
 from service.engine.connector.common import HsxConnectorMetadata, PendingSave
+from service.engine.connector.pinned import PinnedPool
 from service.engine.wire import ConnectorConfig, WriteFailure
 from service.engine.writer import WriteJob, WriterPool
 
@@ -59,7 +60,9 @@ class HsxConnectorWorker:
         self._copied: set[str] = set()
         self._copying: dict[str, Any] = {}  # req_id -> CUDA event of its copy-out
         self._copy_stream: Any = None
-        self._pinned = PinnedPool()
+        # The in-flight ceiling already bounds the bytes copied out; the pool's own bound
+        # keeps idle buffers and size rounding from pinning more than that.
+        self._pinned = PinnedPool(config.max_bytes_in_flight)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Find the hidden-state cache layer; rank 0 starts the writer pool."""
@@ -234,32 +237,3 @@ def _cuda_wait(started: Any, done: Any) -> Callable[[], float]:
         return float(started.elapsed_time(done)) / 1000.0  # milliseconds
 
     return wait
-
-
-class PinnedPool:
-    """Page-locked host buffers, reused across requests (allocating them is slow).
-
-    Taken by the worker thread, given back by the writer thread after serialising.
-    """
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A buffer of at least the bytes ``shape`` needs, and a ``dtype`` view of it."""
-        numel = shape[0] * shape[1] * shape[2]
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            buffer = min(fits, key=lambda b: b.numel()) if fits else None
-            if buffer is not None:
-                self._free.remove(buffer)
-        if buffer is None:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return buffer, buffer[:nbytes].view(dtype).view(shape)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        """Return ``buffer`` for reuse."""
-        with self._lock:
-            self._free.append(buffer)
