@@ -26,12 +26,19 @@ NOTES = """- **codecs, bytes per token**: the mean stored object size per prompt
   layers, layer ids [1, 2, 4]) served in bfloat16 (targets: `lossless` at most 0.72x
   `raw`, `fp8` at most 0.51x) and in float32 (`bf16` is offered there only).
 - **codecs, throughput**: prompt tokens per second of the same 32 prompts extracted
-  with each codec (prefix caching off, so each run computes every prompt), medians of
-  interleaved rounds; ratio = codec throughput / `raw` throughput (target for
-  `lossless` on bfloat16 states: at least 0.95). On a busy 2-core machine these ratios
-  swing by a quarter between runs; the byte ratios are exact.
+  with each codec (prefix caching off, so each run computes every prompt). Each round
+  runs every codec's batch back to back, in an order flipped every round, after a
+  warm-up round; the ratio is the median over 8 rounds of that round's `raw` time /
+  codec time (target for `lossless` on bfloat16 states: at least 0.95), the row names
+  the lowest and highest round. The tok/s columns are medians of the batch times. On
+  a busy 2-core machine other processes' load still moves these ratios by several
+  hundredths between runs (float32's, with twice the bytes to write and fsync, most);
+  the byte ratios are exact. `codec_bench.run(..., quick=True)`: 8 prompts, 2 rounds.
 - **codecs, encode CPU**: CPU time (one thread, as in the writer) to encode 1 MB of
-  the model-dtype states those prompts produced, against `raw` (a safetensors write).
+  the model-dtype states those prompts produced, against `raw` (a safetensors write);
+  the median of 5 passes over all states, codecs interleaved. `lossless` costs a shift
+  per byte plane (numpy), zstd on the exponent plane (strategy fast, a 64-entry hash
+  table, 7-byte matches: Huffman coding does the work) and the safetensors write.
 - Random-weight models' activations compress differently from trained ones: their
   states are close to Gaussian, while trained models have massive outlier channels and
   scales that differ by layer, which change both the exponent plane's entropy (so
@@ -205,6 +212,7 @@ def _codec_rows(
     times = {c: statistics.median(t) for c, t in measured.times.items()}
     target = {("lossless", "bfloat16"): "<= 0.72", ("fp8", "bfloat16"): "<= 0.51"}
     name = f"{codec} vs raw, {dtype} states"
+    ratios = measured.ratios[codec]
     return [
         Row(
             f"{name}: bytes per token",
@@ -214,7 +222,7 @@ def _codec_rows(
             target.get((codec, dtype), "info"),
         ),
         Row(
-            f"{name}: throughput ({label})",
+            f"{name}: throughput ({label}, {min(ratios):.2f}-{max(ratios):.2f})",
             f"{tokens / times[codec]:.0f} tok/s",
             f"{tokens / times['raw']:.0f} tok/s",
             measured.throughput_ratio(codec),
