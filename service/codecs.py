@@ -4,9 +4,8 @@ One module for the server (the worker's writer encodes, ``GET /objects?decode=tr
 decodes) and for clients, so it imports nothing of hsx and only torch (and its numpy),
 safetensors and zstandard (lazily, so the codec names cost nothing to import). Every
 codec writes a valid safetensors file with ``token_ids`` int64 [T] and string
-``__metadata__`` naming the codec (``hsx.codec``), its format version
-(``hsx.codec_version``, ``CODEC_VERSIONS``) and the dtype the states decode to
-(``dtype``, the model's):
+``__metadata__`` naming the codec (``hsx.codec``), the format version
+(``hsx.codec_version``) and the dtype the states decode to (``dtype``, the model's):
 
 ``raw``
     ``hidden_states`` [T, L, H] in the model dtype: vLLM's example-connector layout.
@@ -48,9 +47,9 @@ if TYPE_CHECKING:
 
 Codec = Literal["raw", "fp8", "bf16", "lossless"]
 CODECS: tuple[Codec, ...] = get_args(Codec)
-#: Version of each codec's layout above, written to ``hsx.codec_version``; bumped when
-#: that layout changes. Readers read every version up to these.
-CODEC_VERSIONS: dict[str, str] = {"raw": "1", "fp8": "1", "bf16": "1", "lossless": "2"}
+#: Version of the codec layouts above; bumped when one of them changes. Readers read every
+#: version up to theirs. 2: ``lossless``'s exponent plane is layer-major (1: token-major).
+CODEC_VERSION = "2"
 CODEC_KEY = "hsx.codec"
 CODEC_VERSION_KEY = "hsx.codec_version"
 #: The codec a decoded object was stored with (set by ``to_raw``).
@@ -175,7 +174,7 @@ def pack(
         tensors = split_planes(tensors["hidden_states"])
     tensors["token_ids"] = token_ids.to(torch.int64).contiguous()
     tensors.update({name: t.contiguous() for name, t in (extra or {}).items()})
-    meta = {**metadata, CODEC_KEY: codec, CODEC_VERSION_KEY: CODEC_VERSIONS[codec]}
+    meta = {**metadata, CODEC_KEY: codec, CODEC_VERSION_KEY: CODEC_VERSION}
     return bytes(save(tensors, metadata=meta))
 
 
@@ -322,10 +321,9 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; this reader knows {', '.join(CODECS)}")
     version = metadata.get(CODEC_VERSION_KEY, "1")  # objects from before versions: 1
-    newest = CODEC_VERSIONS[codec]
-    if not version.isdigit() or not 1 <= int(version) <= int(newest):
+    if not version.isdigit() or not 1 <= int(version) <= int(CODEC_VERSION):
         raise ValueError(
-            f"{codec} codec version {version} is not one this reader knows (1 to {newest});"
+            f"codec version {version} is not one this reader knows (1 to {CODEC_VERSION});"
             " upgrade hsx"
         )
     tensors = load(data)
@@ -389,6 +387,6 @@ def to_raw(data: bytes) -> bytes:
     if codec == "raw":
         return bytes(data)
     tensors, _ = decode(data)
-    meta = {**metadata, CODEC_KEY: "raw", CODEC_VERSION_KEY: CODEC_VERSIONS["raw"]}
+    meta = {**metadata, CODEC_KEY: "raw", CODEC_VERSION_KEY: CODEC_VERSION}
     meta[DECODED_FROM_KEY] = codec
     return bytes(save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta))
