@@ -26,14 +26,15 @@ NOTES = """- **codecs, bytes per token**: the mean stored object size per prompt
   layers, layer ids [1, 2, 4]) served in bfloat16 (targets: `lossless` at most 0.72x
   `raw`, `fp8` at most 0.51x) and in float32 (`bf16` is offered there only).
 - **codecs, throughput**: prompt tokens per second of the same 32 prompts extracted
-  with each codec (prefix caching off, so each run computes every prompt). Each round
-  runs every codec's batch back to back, in an order flipped every round, after a
-  warm-up round; the ratio is the median over 8 rounds of that round's `raw` time /
-  codec time (target for `lossless` on bfloat16 states: at least 0.95), the row names
-  the lowest and highest round. The tok/s columns are medians of the batch times. On
-  a busy 2-core machine other processes' load still moves these ratios by several
-  hundredths between runs (float32's, with twice the bytes to write and fsync, most);
-  the byte ratios are exact. `codec_bench.run(..., quick=True)`: 8 prompts, 2 rounds.
+  with each codec (prefix caching off, so each run computes every prompt). After a
+  warm-up round, each of 8 rounds runs every codec's batch paired with a `raw` batch
+  right before or after it (alternating); the ratio is the median of those pairs'
+  `raw` time / codec time (target for `lossless` on bfloat16 states: at least 0.95),
+  and the row names the lowest and highest pair. The tok/s columns are medians of the
+  batch times. Pairs a second apart cancel slow drift in other processes' load, not
+  bursts: on a busy 2-core machine a ratio still moves by several hundredths between
+  runs, and the spread in the row name shows how busy the machine was. The byte
+  ratios are exact. `codec_bench.run(..., quick=True)`: 8 prompts, 2 rounds.
 - **codecs, encode CPU**: CPU time (one thread, as in the writer) to encode 1 MB of
   the model-dtype states those prompts produced, against `raw` (a safetensors write);
   the median of 5 passes over all states, codecs interleaved. `lossless` costs a shift
@@ -106,42 +107,51 @@ class Measured:
     sizes: dict[str, int] = field(default_factory=dict)
     times: dict[str, list[float]] = field(default_factory=dict)
     ratios: dict[str, list[float]] = field(default_factory=dict)
-    raw: list[Any] = field(default_factory=list)  # the last round's raw results
+    raw: list[Any] = field(default_factory=list)  # the latest raw batch's results
 
     def throughput_ratio(self, codec: str) -> float:
-        """Median of the rounds' ratios: each compares batches run back to back."""
+        """Median of the rounds' ratios: each compares two batches run back to back."""
         return statistics.median(self.ratios[codec])
 
 
 async def _measure(
     extractor: Any, prompts: list[list[int]], timer: Timer, codec_names: list[str], rounds: int
 ) -> Measured:
-    """Every codec's batch of ``prompts`` once per round (round 0 warms up). The order
-    flips every round, so no codec always follows the same one."""
+    """Per round (round 0 warms up), each codec's batch of ``prompts`` paired with a
+    ``raw`` batch right before or after it (alternating), so each ratio compares two
+    batches a second apart, whatever the machine's other load does meanwhile."""
     measured = Measured(times={c: [] for c in codec_names})
     for round_ in range(rounds + 1):
-        order = codec_names if round_ % 2 else codec_names[::-1]
-        elapsed: dict[str, float] = {}
-        for codec in order:
-            results: list[Any] = []
-
-            async def batch(codec: str = codec, results: list[Any] = results) -> None:
-                results[:] = await asyncio.gather(
-                    *(extractor.extract(p, namespace="bench", codec=codec) for p in prompts)
-                )
-
-            (elapsed[codec],) = await timer(batch, 1)
-            measured.sizes[codec] = sum(r.size for r in results)
-            if codec == "raw" and round_ == rounds:
-                measured.raw = results  # their states are read below
-            else:
-                for r in results:  # keep the disk small
-                    await extractor.storage.delete(r.key)
-        if round_:
-            for codec, seconds in elapsed.items():
-                measured.times[codec].append(seconds)
-                measured.ratios.setdefault(codec, []).append(elapsed["raw"] / seconds)
+        for codec in (c for c in codec_names if c != "raw"):
+            pair = ["raw", codec] if round_ % 2 else [codec, "raw"]
+            elapsed = {c: await _batch(extractor, prompts, timer, c, measured) for c in pair}
+            if round_:
+                for name, seconds in elapsed.items():
+                    measured.times[name].append(seconds)
+                measured.ratios.setdefault(codec, []).append(elapsed["raw"] / elapsed[codec])
     return measured
+
+
+async def _batch(
+    extractor: Any, prompts: list[list[int]], timer: Timer, codec: str, measured: Measured
+) -> float:
+    """Seconds to extract ``prompts`` with ``codec``; records the stored bytes and keeps
+    only the latest ``raw`` objects (their states are read afterwards)."""
+    results: list[Any] = []
+
+    async def batch() -> None:
+        results[:] = await asyncio.gather(
+            *(extractor.extract(p, namespace="bench", codec=codec) for p in prompts)
+        )
+
+    (seconds,) = await timer(batch, 1)
+    measured.sizes[codec] = sum(r.size for r in results)
+    stale = measured.raw if codec == "raw" else results
+    if codec == "raw":
+        measured.raw = results
+    for r in stale:  # keep the disk small
+        await extractor.storage.delete(r.key)
+    return seconds
 
 
 def _encode_ms_per_mb(
