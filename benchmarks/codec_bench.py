@@ -27,7 +27,7 @@ NOTES = """- **codecs, bytes per token**: the mean stored object size per prompt
   `raw`, `fp8` at most 0.51x) and in float32 (`bf16` is offered there only).
 - **codecs, throughput**: prompt tokens per second of the same 32 prompts extracted
   with each codec (prefix caching off, so each run computes every prompt). After a
-  warm-up round, each of 8 rounds runs every codec's batch paired with a `raw` batch
+  warm-up round, each of 16 rounds runs every codec's batch paired with a `raw` batch
   right before or after it (alternating); the ratio is the median of those pairs'
   `raw` time / codec time (target for `lossless` on bfloat16 states: at least 0.95),
   and the row names the lowest and highest pair. The tok/s columns are medians of the
@@ -59,7 +59,7 @@ class Plan:
     """How much the bench measures: the full run, or a quick one for CI-sized checks."""
 
     prompts: int = 32
-    rounds: int = 8
+    rounds: int = 16
     cpu_passes: int = 5
 
 
