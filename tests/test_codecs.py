@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import zstandard
 from safetensors.torch import load, save
 
 from service import codecs
@@ -92,8 +95,60 @@ def test_lossless_is_a_plain_safetensors_file_of_uint8_planes() -> None:
     assert tensors[codecs.REST_PLANES].dtype == torch.uint8
     assert tensors[codecs.REST_PLANES].shape == (1, 37, 3, 128)
     # bfloat16's low byte is its rest plane, stored raw.
-    low = x.view(torch.int16).bitwise_and(0xFF).to(torch.uint8)
+    bits = x.view(torch.int16)
+    low = bits.bitwise_and(0xFF).to(torch.uint8)
     assert torch.equal(tensors[codecs.REST_PLANES][0], low)
+    # The high byte, layer-major, is one plain zstd frame (any zstd reader opens it).
+    frame = tensors[codecs.EXPONENT_PLANE].numpy().tobytes()
+    high = bits.bitwise_right_shift(8).bitwise_and(0xFF).to(torch.uint8).permute(1, 0, 2)
+    assert zstandard.ZstdDecompressor().decompress(frame) == high.contiguous().numpy().tobytes()
+
+
+def version_1_lossless(x: torch.Tensor, token_ids: torch.Tensor) -> bytes:
+    """A ``lossless`` object as codec version 1 wrote it: the exponent plane token-major
+    [T, L, H], zstd level 1; built here from the bits, not by ``service.codecs``."""
+    size = x.element_size()
+    words = x.view(BITS[x.dtype]).numpy().view(f"uint{8 * size}")
+    planes = [(words >> (8 * (size - 1 - i))).astype("uint8") for i in range(size)]
+    frame = zstandard.ZstdCompressor(level=1).compress(planes[0].tobytes())
+    tensors = {
+        codecs.EXPONENT_PLANE: torch.frombuffer(bytearray(frame), dtype=torch.uint8),
+        codecs.REST_PLANES: torch.from_numpy(np.stack(planes[1:])),
+        "token_ids": token_ids,
+    }
+    meta = {"dtype": codecs.dtype_name(x.dtype), "hsx.codec": "lossless"}
+    return save(tensors, metadata={**meta, "hsx.codec_version": "1", "model": "m"})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lossless_version_1_objects_still_decode_bit_exact(dtype: torch.dtype) -> None:
+    x = states(tokens=41, seed=5).to(dtype)
+    old = version_1_lossless(x, ids(41))
+    tensors, meta = codecs.decode(old)
+    assert meta["hsx.codec_version"] == "1"
+    assert torch.equal(tensors["hidden_states"].view(BITS[dtype]), x.view(BITS[dtype]))
+    assert tensors["token_ids"].tolist() == ids(41).tolist()
+    raw = load(codecs.to_raw(old))["hidden_states"]
+    assert torch.equal(raw.view(BITS[dtype]), x.view(BITS[dtype]))
+    # Version 2 stores the same states in fewer bytes: a Huffman table per layer.
+    assert len(codecs.encode("lossless", x, ids(41))) < len(old)
+
+
+def test_lossless_encodes_alike_from_concurrent_threads() -> None:
+    """Each writer thread has its own zstd compressor: parallel objects stay intact."""
+    xs = [states(tokens=64 + i, seed=i).to(torch.bfloat16) for i in range(16)]
+
+    def planes(x: torch.Tensor) -> list[bytes]:
+        stored = load(codecs.encode("lossless", x, ids(len(x))))
+        return [stored[name].numpy().tobytes() for name in sorted(stored)]
+
+    alone = [planes(x) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(planes, xs)) == alone
+    for x in xs:
+        decoded = codecs.decode(codecs.encode("lossless", x, ids(len(x))))[0]
+        assert torch.equal(decoded["hidden_states"], x)
 
 
 def test_lossless_refuses_dtypes_it_cannot_split() -> None:
@@ -209,8 +264,13 @@ def test_unknown_codec_or_version_is_refused_by_name() -> None:
         codecs.decode(data)
     meta = {"hsx.codec": "fp8", "hsx.codec_version": "9", "dtype": "float32"}
     data = save({"hidden_states": states(), "token_ids": ids(37)}, metadata=meta)
-    with pytest.raises(ValueError, match="codec version 9"):
+    with pytest.raises(ValueError, match=r"codec version 9 is not one this reader knows"):
         codecs.decode(data)
+    # A newer layout than this reader's: refused, not misread.
+    tensors = load(codecs.encode("lossless", states().to(torch.bfloat16), ids(37)))
+    meta = {"hsx.codec": "lossless", "hsx.codec_version": "3", "dtype": "bfloat16"}
+    with pytest.raises(ValueError, match=r"codec version 3 .* \(1 to 2\); upgrade hsx"):
+        codecs.decode(save(tensors, metadata=meta))
     with pytest.raises(ValueError, match="choose one of raw, fp8, bf16, lossless"):
         codecs.prepare("zfp", states())  # type: ignore[arg-type]
 
