@@ -18,31 +18,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
-import functools
+import logging
 import os
 import random
-import statistics
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engine_sides import (
+    WARM_PROMPTS,
+    Medians,
+    Prompts,
+    extraction_side,
+    hf_side,
+    plain_side,
+    rounds,
+)
 from benchmarks.hf_pipeline import HfPipeline, LocalSink, S3Sink, Sink
 from benchmarks.rss import MIB, PeakRss, children_rss
 from benchmarks.storage_bench import Row, Timer
 from service.config import Settings
 from service.engine.tiny_models import make_model
 
-Prompts = list[list[int]]
-Medians = dict[str, float]  # median seconds of a prompt set, per side
-
 MAX_BATCHED_TOKENS = 2048
 #: What the engine processes may grow by beyond the in-flight ceiling: writer and
 #: storage threads with their malloc arenas, encode buffers, ZMQ and Python objects.
 RSS_MARGIN_MIB = 256
-WARM_PROMPTS = 2  # per length and side, before any timed round
 
 
 def _machine() -> str:
@@ -72,51 +76,68 @@ class Plan:
     kv_cache_gib: float
 
 
-FULL = Plan(1024, 8, (2, 4, 5, 8), ((256, 64), (2048, 8)), 3, 256, 2.0)
+def _round_mib(plan: Plan) -> int:
+    """MiB of float32 states in one round of the longest prompts."""
+    length, count = plan.sets[-1]
+    return length * count * len(plan.layer_ids) * plan.hidden * 4 // MIB
+
+
+FULL = Plan(1024, 8, (2, 4, 5, 8), ((256, 64), (2048, 8)), 3, 128, 2.0)
 QUICK = Plan(128, 4, (1, 2, 4), ((256, 8), (2048, 2)), 2, 16, 1.0)
 
-NOTES = f"""- **engine rows** ({_machine()}). Full mode: a random-weight Llama of
-  hidden size {FULL.hidden}, {FULL.layers} layers (`service/engine/tiny_models.py`:
-  intermediate 3072, 16 heads, 8 KV heads; about 100M parameters), float32,
-  layer ids {list(FULL.layer_ids)}; {FULL.sets[0][1]} prompts of {FULL.sets[0][0]} tokens
-  and {FULL.sets[1][1]} of {FULL.sets[1][0]} (the same token count), random token ids;
+NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-weight
+  Llama of hidden size {FULL.hidden}, {FULL.layers} layers (intermediate 3072, 16 heads,
+  8 KV heads: about 100M parameters; `service/engine/tiny_models.py`), float32, layer
+  ids {list(FULL.layer_ids)}; {FULL.sets[0][1]} prompts of {FULL.sets[0][0]} tokens and
+  {FULL.sets[1][1]} of {FULL.sets[1][0]} (the same token count), random token ids;
   `max_num_batched_tokens` {MAX_BATCHED_TOKENS}, prefix caching off (every round computes
-  every prompt), a {FULL.kv_cache_gib:g} GiB KV cache, vLLM's default compilation.
-  All prompts of a set go at once; throughput is prompt tokens over the wall time of the
-  set, the median of {FULL.rounds} rounds after a two-prompt warm-up. `--quick` runs the
-  tests' tiny model (hidden 128, 4 layers) with {QUICK.sets[0][1]}x{QUICK.sets[0][0]}
-  and {QUICK.sets[1][1]}x{QUICK.sets[1][0]} prompts and {QUICK.rounds} rounds: it
-  checks that the bench runs, its numbers mean little. Random weights give real shapes
-  and real costs per token, not real activation statistics (which only codecs notice).
-- **extraction vs same engine without extraction**: the hsx engine; `Extractor.extract`
-  of every prompt (returns once the object is durable: fsync'd file or completed S3
-  upload, SHA-256 computed) against plain `AsyncLLM.generate` of the same prompts with
-  `max_tokens=1` and no hsx parameters on the same engine, alternating which goes first
-  in each round. The ratio is throughput (extraction / plain); the target for local
-  disk is at least 0.95. S3 is moto on 127.0.0.1 in the bench process: its CPU comes
-  out of the same two cores, so the S3 rows are information.
+  every prompt), a {FULL.kv_cache_gib:g} GiB KV cache, eager mode on every vLLM engine
+  (vLLM's CPU default compiles with inductor: about 5 minutes per engine start here, for
+  throughput within this machine's noise). All prompts of a set go at once; throughput
+  is prompt tokens over the set's wall time, the median of {FULL.rounds} rounds after a
+  two-prompt warm-up. The ratio is always extraction's throughput over the other side's.
+  `--quick` runs the tests' tiny model (hidden 128, 4 layers) on
+  {QUICK.sets[0][1]}x{QUICK.sets[0][0]} and {QUICK.sets[1][1]}x{QUICK.sets[1][0]}
+  prompts, {QUICK.rounds} rounds: it shows that the bench runs; its numbers mean little.
+  Random weights give real shapes and real costs per token, not real activation
+  statistics (which only the codecs would notice).
+- **extraction vs same engine without extraction**: one hsx engine; `Extractor.extract`
+  of every prompt (answers once the object is durable: SHA-256 computed, file and
+  directory fsync'd, or the S3 upload complete) against `AsyncLLM.generate` of the
+  same prompts with `max_tokens=1` and no hsx parameters (the connector saves nothing),
+  the order alternating each round. Target for local disk: at least 0.95. S3 is moto
+  on 127.0.0.1 inside the bench process, so its CPU comes out of the same cores as the
+  engine's: the S3 rows are information.
 - **extraction vs vanilla vLLM**: an `AsyncLLM` with the same engine arguments minus
-  the speculative method, the KV connector and hsx's worker extension, plain requests,
-  started after the hsx engines closed (one engine at a time fits here), so its rounds
-  are not interleaved with the others. On this CPU build the vanilla engine has been
-  slower than the connector-configured one on the same requests; that is vLLM's, not
-  hsx's merit (information only).
+  the speculative method, the KV connector and hsx's worker extension; plain requests.
+  Only one engine fits on this machine at a time, so it runs after the hsx engines
+  closed and its rounds are not interleaved with theirs. vLLM's CPU backend keeps cores
+  back from the worker: one for the scheduler process, and one more when a KV connector
+  is configured, but none when that would leave the worker nothing
+  (`vllm/utils/ompmultiprocessing.py`). On 2 cores an hsx engine's worker therefore
+  computes on both cores and a default vanilla engine's on one (core ids in vLLM's
+  start-up log), which is why vanilla looked about 1.8x slower than hsx's plain
+  requests when issue 13 was filed. The bench starts the vanilla engine with hsx's
+  reservation (`VLLM_CPU_NUM_OF_RESERVED_CPU=2`), so both workers get the same cores.
+  On larger machines an hsx engine's worker gets one core fewer than a default vanilla
+  engine's: a cost of configuring any KV connector on vLLM's CPU backend, which this
+  row leaves out. Information only.
 - **extraction vs transformers**: `benchmarks/hf_pipeline.py`, a batched forward
-  (`AutoModel`, `output_hidden_states`, `torch.inference_mode`, batches of about 4096
-  tokens of equal-length prompts), the same layers stacked as `[tokens, layers,
-  hidden]`, one safetensors file per prompt written by 4 threads while the next batch
-  computes: fsync'd files on local disk, `put_object` to the same moto server for S3.
-  Its last layer is after the final norm (transformers' convention) where hsx's is
-  before it: the same shape and cost. Its rounds alternate with the hsx engine's while
-  that engine is idle. Target at least 1.0 on local disk.
+  (`AutoModel`, `output_hidden_states`, `torch.inference_mode`, torch's default
+  threads, batches of about 4096 tokens of equal-length prompts), the same layers
+  stacked as `[tokens, layers, hidden]`, one safetensors file per prompt written by 4
+  threads while the next batch computes: each file fsync'd on local disk, or
+  `put_object` to the same moto server. It runs after the engines closed, its local and
+  S3 rounds interleaved. Its last layer is taken after the final norm (transformers'
+  convention) where hsx's is before it: the same shape and cost. Target for local disk:
+  at least 1.0.
 - **peak RSS growth**: the summed RSS of the hsx engine's processes (EngineCore and
-  its worker), sampled every 50 ms through all local-disk extraction rounds, minus
-  their RSS after warm-up requests without extraction. The bound is the in-flight
-  ceiling (`limits.max_bytes_in_flight`, {FULL.in_flight_mib} MiB here: less than
-  one round's {
-    FULL.sets[1][1] * FULL.sets[1][0] * len(FULL.layer_ids) * FULL.hidden * 4 // MIB
-} MiB of {FULL.sets[1][0]}-token states) plus a fixed {RSS_MARGIN_MIB} MiB
-  for threads, their allocator arenas and buffers.
+  its worker), sampled every 50 ms through every local-disk round, minus their RSS
+  after warm-up requests without extraction at both lengths. The bound is the in-flight
+  ceiling (`limits.max_bytes_in_flight`, lowered from 1 GiB to {FULL.in_flight_mib} MiB
+  in full mode, half of one round's {_round_mib(FULL)} MiB of {FULL.sets[1][0]}-token
+  states, so that it can bind) plus a fixed {RSS_MARGIN_MIB} MiB for the writer's
+  threads, their allocator arenas and buffers. Target: growth at most that bound.
 """
 
 
@@ -143,77 +164,6 @@ def _settings(plan: Plan, model: Path, storage: dict[str, Any]) -> Settings:
     )
 
 
-async def _nothing() -> None:
-    return None
-
-
-@dataclass
-class Side:
-    """One way of doing a set's work; ``clear`` (untimed) removes what it stored."""
-
-    run: Callable[[Prompts], Awaitable[object]]
-    clear: Callable[[], Awaitable[object]] = _nothing
-
-
-async def _rounds(sides: dict[str, Side], prompts: Prompts, rounds: int, timer: Timer) -> Medians:
-    """Median seconds per side over ``rounds`` rounds, the order rotating each round."""
-    for side in sides.values():
-        await side.run(prompts[:WARM_PROMPTS])
-        await side.clear()
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    names = list(sides)
-    for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            side = sides[name]
-            times[name] += await timer(functools.partial(side.run, prompts), 1)
-            await side.clear()
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _plain_side(engine: Any) -> Side:
-    """Plain requests: one output token, no hsx parameters (nothing is saved)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-
-    async def one(prompt: list[int]) -> None:
-        request = TokensPrompt(prompt_token_ids=prompt)
-        async for _ in engine.generate(request, sampling, f"bench-{uuid.uuid4().hex}"):
-            pass
-
-    async def run(prompts: Prompts) -> None:
-        await asyncio.gather(*(one(p) for p in prompts))
-
-    return Side(run)
-
-
-def _extraction_side(extractor: Any) -> Side:
-    """``Extractor.extract`` of every prompt; the objects are deleted between rounds."""
-    keys: list[str] = []
-
-    async def run(prompts: Prompts) -> None:
-        done = await asyncio.gather(*(extractor.extract(p, namespace="bench") for p in prompts))
-        keys.extend(r.key for r in done)
-
-    async def clear() -> None:
-        await asyncio.gather(*(extractor.storage.delete(k) for k in keys))
-        keys.clear()
-
-    return Side(run, clear)
-
-
-def _hf_side(pipeline: HfPipeline, sink: Sink) -> Side:
-    async def run(prompts: Prompts) -> None:
-        await asyncio.to_thread(pipeline.run, prompts, sink)
-
-    async def clear() -> None:
-        await asyncio.to_thread(sink.clear)
-
-    return Side(run, clear)
-
-
 async def _hsx(
     settings: Settings, plan: Plan, sets: dict[int, Prompts], timer: Timer
 ) -> tuple[dict[int, Medians], int]:
@@ -222,16 +172,43 @@ async def _hsx(
 
     extractor = await Extractor.start(settings)
     try:
-        plain = _plain_side(extractor.engine)
+        plain = plain_side(extractor.engine)
         for prompts in sets.values():  # every forward shape once before the RSS baseline
             await plain.run(prompts[:WARM_PROMPTS])
         before = children_rss()
-        sides = {"extract": _extraction_side(extractor), "plain": plain}
+        sides = {"extract": extraction_side(extractor), "plain": plain}
         with PeakRss() as peak:
-            medians = {n: await _rounds(sides, p, plan.rounds, timer) for n, p in sets.items()}
-        return medians, peak.bytes - before
+            medians = {n: await rounds(sides, p, plan.rounds, timer) for n, p in sets.items()}
+        return medians, max(peak.bytes - before, 0)
     finally:
         await extractor.close()
+
+
+#: What vLLM's CPU backend keeps back from the worker of a one-worker engine with a KV
+#: connector: a core for the scheduler process and one "for nixl".
+CONNECTOR_RESERVED_CPUS = 2
+
+
+@contextlib.contextmanager
+def _hsx_core_reservation() -> Iterator[None]:
+    """Start the vanilla engine with the cores an hsx engine's worker gets.
+
+    vLLM's CPU backend keeps cores back from the worker: one per worker, one more when
+    a KV connector is configured, and none when that would leave the worker nothing
+    (``vllm/utils/ompmultiprocessing.py``; ``VLLM_CPU_NUM_OF_RESERVED_CPU`` overrides).
+    On two cores an hsx engine's worker thus computes on both and a default vanilla
+    engine's on one: a comparison of core counts, not of engines. Its processes are
+    spawned during start-up, so the variable is set only for that time.
+    """
+    name = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+    if name in os.environ:  # the user's choice holds for both engines
+        yield
+        return
+    os.environ[name] = str(CONNECTOR_RESERVED_CPUS)
+    try:
+        yield
+    finally:
+        del os.environ[name]
 
 
 async def _vanilla(
@@ -248,10 +225,11 @@ async def _vanilla(
     args = dataclasses.replace(
         hsx_args, speculative_config=None, kv_transfer_config=None, worker_extension_cls=""
     )
-    engine = AsyncLLM.from_engine_args(args)
+    with _hsx_core_reservation():
+        engine = AsyncLLM.from_engine_args(args)
     try:
-        side = {"plain": _plain_side(engine)}
-        return {n: (await _rounds(side, p, plan.rounds, timer))["plain"] for n, p in sets.items()}
+        side = {"plain": plain_side(engine)}
+        return {n: (await rounds(side, p, plan.rounds, timer))["plain"] for n, p in sets.items()}
     finally:
         engine.shutdown()
         _release_vllm_resources(engine)
@@ -262,8 +240,8 @@ async def _transformers(
 ) -> dict[int, Medians]:
     """The transformers pipeline's medians per prompt length and sink."""
     pipeline = await asyncio.to_thread(HfPipeline, model, plan.layer_ids)
-    sides = {name: _hf_side(pipeline, sink) for name, sink in sinks.items()}
-    return {n: await _rounds(sides, p, plan.rounds, timer) for n, p in sets.items()}
+    sides = {name: hf_side(pipeline, sink) for name, sink in sinks.items()}
+    return {n: await rounds(sides, p, plan.rounds, timer) for n, p in sets.items()}
 
 
 def _moto(bucket: str) -> tuple[Any, str]:
@@ -371,6 +349,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few prompts")
     quick = parser.parse_args().quick
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     with tempfile.TemporaryDirectory(prefix="hsx-engine-bench-") as tmp:
