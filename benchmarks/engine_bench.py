@@ -47,6 +47,7 @@ MAX_BATCHED_TOKENS = 2048
 #: What the engine processes may grow by beyond the in-flight ceiling: writer and
 #: storage threads with their malloc arenas, encode buffers, ZMQ and Python objects.
 RSS_MARGIN_MIB = 256
+LOCAL, S3 = "local disk", "S3 (moto)"
 
 
 def _machine() -> str:
@@ -280,10 +281,9 @@ async def run(scratch: Path, timed: Timer, quick: bool = False) -> list[Row]:
             LOCAL: {"url": str(scratch / "engine-objects")},
             S3: {"url": f"s3://{bucket}/hsx", "s3": s3},
         }
-        hsx, growth = {}, 0
-        for name, storage in where.items():
-            hsx[name], peak = await _hsx(_settings(plan, model, storage), plan, sets, timed)
-            growth = peak if name == LOCAL else growth
+        local, growth = await _hsx(_settings(plan, model, where[LOCAL]), plan, sets, timed)
+        s3_medians, _ = await _hsx(_settings(plan, model, where[S3]), plan, sets, timed)
+        hsx = {LOCAL: local, S3: s3_medians}
         vanilla = await _vanilla(_settings(plan, model, where[LOCAL]), plan, sets, timed)
         sinks: dict[str, Sink] = {
             LOCAL: LocalSink(scratch / "hf-files"),
@@ -294,9 +294,6 @@ async def run(scratch: Path, timed: Timer, quick: bool = False) -> list[Row]:
         server.stop()
     rows = [row for name in where for row in _rows(plan, name, hsx[name], vanilla, hf)]
     return [*rows, _rss_row(plan, growth)]
-
-
-LOCAL, S3 = "local disk", "S3 (moto)"
 
 
 def _tok_s(tokens: int, seconds: float) -> str:
