@@ -6,6 +6,7 @@ same data, so a noisy machine slows both sides alike; the ratio is what we track
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -14,7 +15,14 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks import api_bench, codec_bench, dataset_bench, storage_bench, validation_bench
+from benchmarks import (
+    api_bench,
+    codec_bench,
+    dataset_bench,
+    engine_bench,
+    storage_bench,
+    validation_bench,
+)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -38,6 +46,9 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Benchmarks, written to docs/benchmarks.md.")
+    parser.add_argument("--quick", action="store_true", help="CI-sized runs where offered")
+    quick = parser.parse_args().quick
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -50,6 +61,7 @@ def main() -> None:
             rows += runner.run(api_bench.run(Path(scratch), timed))
             rows += runner.run(codec_bench.run(Path(scratch), timed))
             rows += runner.run(dataset_bench.run(Path(scratch), timed))
+            rows += runner.run(engine_bench.run(Path(scratch), timed, quick=quick))
     lines = [
         "# Benchmarks",
         "",
@@ -71,6 +83,7 @@ def main() -> None:
         + api_bench.NOTES
         + codec_bench.NOTES
         + dataset_bench.NOTES
+        + engine_bench.NOTES
     )
     DOC.write_text(text + "\n" + notes)
 

@@ -1,0 +1,53 @@
+"""The engine bench runs end to end in quick mode and gives well-formed rows.
+
+Benchmark modules break quietly when the code they drive changes; this runs the
+engine bench (three engines, moto, the transformers pipeline) on the tiny model and
+checks the rows' shape only: no time or ratio is asserted, speed lives in the bench.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import engine_bench
+from benchmarks.run import timed
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None) -> None:
+    rows = await engine_bench.run(tmp_path, timed, quick=True)
+
+    sets = [f"{count}x{length} tokens" for length, count in engine_bench.QUICK.sets]
+    others = [
+        "same engine without extraction",
+        "vanilla vLLM (no spec. method, no connector)",
+        "transformers pipeline",
+    ]
+    names = [
+        f"extraction vs {other}, {size}, {where} (ratio: throughput)"
+        for where in ("local disk", "S3 (moto)")
+        for size in sets
+        for other in others
+    ]
+    assert [row.name for row in rows[:-1]] == names
+    for row in rows[:-1]:
+        assert math.isfinite(row.ratio), row
+        assert row.ratio > 0, row
+        assert re.fullmatch(r"[1-9]\d* tok/s", row.ours), row
+        assert re.fullmatch(r"[1-9]\d* tok/s", row.baseline), row
+    targets = [row.target for row in rows[:-1]]
+    local, s3 = targets[:6], targets[6:]
+    assert local == [">= 0.95", "info", ">= 1.0"] * 2
+    assert s3 == ["info"] * 6
+
+    rss = rows[-1]
+    assert "peak RSS growth" in rss.name
+    assert re.fullmatch(r"\d+ MiB", rss.ours), rss
+    ceiling, margin = engine_bench.QUICK.in_flight_mib, engine_bench.RSS_MARGIN_MIB
+    assert rss.baseline == f"{ceiling} + {margin} MiB"
+    assert rss.ratio == pytest.approx(int(rss.ours.split()[0]) / (ceiling + margin), abs=0.01)
