@@ -51,13 +51,16 @@ def make_tokenizer(out: Path, vocab_size: int) -> None:
     wrapped.save_pretrained(out)
 
 
-def _config(kind: Kind, vocab_size: int, max_len: int) -> object:
+def _config(
+    kind: Kind, vocab_size: int, max_len: int, hidden_size: int = 128, num_layers: int = 4
+) -> object:
+    heads = max(4, hidden_size // 64)  # head dim 32 for the tiny model, 64 above 256
     common = {
         "vocab_size": vocab_size,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size if hidden_size == 128 else 3 * hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
         "max_position_embeddings": max_len,
         "bos_token_id": 0,
         "eos_token_id": 1,
@@ -67,7 +70,7 @@ def _config(kind: Kind, vocab_size: int, max_len: int) -> object:
     if kind == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(num_hidden_layers=4, **common)
+        return LlamaConfig(num_hidden_layers=num_layers, **common)
     from transformers import NemotronHConfig
 
     # Mamba2, MLP, Mamba2, attention: the pattern checked on CPU (docs/cpu.md).
@@ -85,10 +88,20 @@ def _config(kind: Kind, vocab_size: int, max_len: int) -> object:
     )
 
 
-def make_model(out: Path, kind: Kind = "llama", *, seed: int = 0, max_len: int = 2048) -> Path:
+def make_model(
+    out: Path,
+    kind: Kind = "llama",
+    *,
+    seed: int = 0,
+    max_len: int = 2048,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+) -> Path:
     """Write a deterministic random-weight ``kind`` model and its tokenizer to ``out``.
 
     Returns ``out``. Weights are float32 safetensors; vLLM casts to the served dtype.
+    ``hidden_size`` and ``num_layers`` size a Llama for benchmarks (hidden 1024 and 8
+    layers: about 100M parameters); the hybrid keeps its tested shape.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -99,7 +112,12 @@ def make_model(out: Path, kind: Kind = "llama", *, seed: int = 0, max_len: int =
     vocab_size = 512
     make_tokenizer(out, vocab_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(kind, vocab_size, max_len))
+    config = (
+        _config(kind, vocab_size, max_len, hidden_size, num_layers)
+        if kind == "llama"
+        else _config(kind, vocab_size, max_len)
+    )
+    model = AutoModelForCausalLM.from_config(config)
     if kind == "llama":
         with torch.no_grad():
             # Larger than the default init so layers differ visibly from one another.

@@ -1,0 +1,358 @@
+"""Where extraction's time goes: an A/B harness with an optional py-spy profile.
+
+``python -m benchmarks.profile_worker [--profile]`` starts one ``Extractor`` on a
+100M-parameter random Llama (hidden 1024, 8 layers, float32, layer ids [2, 4, 5, 8],
+prefix caching off, ``max_num_batched_tokens`` 2048) and runs interleaved rounds of
+
+(a) the same engine without extraction: ``extractor.engine.generate`` with
+    ``max_tokens=1`` and no hsx ``extra_args``, so nothing is copied out or stored;
+(b) ``Extractor.extract`` of the same prompts to local disk (fsync'd).
+
+Each round runs all prompts at once. It prints each round's tokens per second, the CPU
+seconds the engine process spent (all its threads, from ``/proc``), the medians and
+the ratio b / a (the issue's target: at least 0.95). The order alternates from round to
+round so drift hits both sides alike. With ``--profile``, py-spy samples the engine
+process during every (b) round and the top functions by own and by cumulative samples,
+and the samples per thread, are printed (py-spy's ``raw`` format: collapsed stacks).
+This is the profiling tool; ``benchmarks/engine_bench.py`` writes the official rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.config import Settings
+
+LAYER_IDS = [2, 4, 5, 8]
+
+
+@dataclass
+class Round:
+    side: str
+    seconds: float
+    tokens: int
+    cpu: dict[str, float]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def settings_for(model: Path, objects: Path, tokens: int) -> Settings:
+    """The issue's engine: float32, 2048-token steps, no prefix caching, eager."""
+    return Settings(
+        engine={
+            "model": str(model),
+            "dtype": "float32",
+            "layer_ids": LAYER_IDS,
+            "max_model_len": tokens + 16,
+            "max_num_batched_tokens": 2048,
+            "enable_prefix_caching": False,
+            "cpu_kvcache_space_gib": 2,
+            "extra_args": {"enforce_eager": True},
+        },
+        storage={"url": str(objects)},
+    )
+
+
+def model_at(path: Path) -> Path:
+    """The 100M random Llama at ``path``, made there once."""
+    from service.engine.tiny_models import make_model
+
+    if (path / "model.safetensors").exists():
+        return path
+    return make_model(path, "llama", hidden_size=1024, num_layers=8, max_len=4096)
+
+
+def prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(tokens)] for _ in range(count)]
+
+
+async def plain(extractor: Any, batch: list[list[int]]) -> None:
+    """(a) The same engine, requests without extraction."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    async def one(prompt: list[int]) -> None:
+        stream = extractor.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt), sampling, f"plain-{uuid.uuid4().hex}"
+        )
+        async for _ in stream:
+            pass
+
+    await asyncio.gather(*(one(p) for p in batch))
+
+
+async def extract(extractor: Any, batch: list[list[int]]) -> list[str]:
+    """(b) ``Extractor.extract`` to local disk; the keys written."""
+    done = await asyncio.gather(*(extractor.extract(p, namespace="profile") for p in batch))
+    return [d.key for d in done]
+
+
+def worker_pid() -> int:
+    """vLLM's worker process (model, forward pass, our connector's worker half)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        if "Worker" in child.name():
+            return int(child.pid)
+    raise RuntimeError(f"no vLLM worker among {[c.name() for c in children]}")
+
+
+def py_spy() -> str:
+    return str(Path(sys.executable).with_name("py-spy"))
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Native thread id -> Python thread name (``py-spy dump``), numbers stripped."""
+    try:
+        out = subprocess.run(  # noqa: S603 - our own venv's py-spy
+            [py_spy(), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    names = {}
+    for match in re.finditer(r'^Thread (\d+) \([^)]*\): "(.*)"$', out, re.MULTILINE):
+        names[int(match[1])] = re.sub(r"[_-]\d+$", "", match[2])
+    return names
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # the thread ended
+        seconds[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return seconds
+
+
+def cpu_by_group(
+    before: dict[int, float], after: dict[int, float], names: dict[int, str], pid: int
+) -> dict[str, float]:
+    """CPU seconds spent between two readings, by thread name; threads Python does not
+    know (torch's OpenMP team, ZeroMQ's) are ``native``."""
+    groups: dict[str, float] = {}
+    for tid, total in after.items():
+        name = "MainThread (forward pass)" if tid == pid else names.get(tid, "native threads")
+        groups[name] = groups.get(name, 0.0) + total - before.get(tid, 0.0)
+    return groups
+
+
+class Sampler:
+    """py-spy recording the engine process while a block runs; samples accumulate."""
+
+    def __init__(self, pid: int, out: Path, rate: int) -> None:
+        self.pid, self.out, self.rate = pid, out, rate
+        self.stacks: Counter[str] = Counter()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._runs = 0
+
+    def start(self) -> None:
+        self._runs += 1
+        path = self.out / f"profile-{self._runs}.txt"
+        self._proc = subprocess.Popen(  # noqa: S603 - our own venv's py-spy
+            [
+                py_spy(), "record", "--pid", str(self.pid), "--rate", str(self.rate),
+                "--format", "raw", "--threads", "--nonblocking", "--output", str(path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self._path = path
+        time.sleep(0.5)  # let it attach before the round starts
+
+    def stop(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        self._proc.wait(timeout=60)
+        for line in self._path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if stack:
+                self.stacks[stack] += int(count)
+
+    def report(self, top: int, names: dict[int, str]) -> str:
+        own: Counter[str] = Counter()
+        cumulative: Counter[str] = Counter()
+        threads: Counter[str] = Counter()
+        total = sum(self.stacks.values()) or 1
+        for stack, count in self.stacks.items():
+            frames = [_frame(f) for f in stack.split(";")]
+            tid = re.search(r"\d+", frames[0])
+            thread = (
+                names.get(int(tid[0]), frames[0])
+                if tid and tid[0] != str(self.pid)
+                else "MainThread"
+            )
+            threads[thread] += count
+            calls = frames[1:] or frames
+            own[calls[-1]] += count
+            for frame in set(calls):
+                cumulative[frame] += count
+        lines = [f"\npy-spy: {total} samples of the worker process (on-CPU, Python threads)"]
+        for title, counter in (
+            ("samples per thread", threads),
+            ("top by own samples", own),
+            ("top by cumulative samples", cumulative),
+        ):
+            lines.append(f"\n{title}:")
+            for name, count in counter.most_common(top):
+                lines.append(f"  {100 * count / total:5.1f}%  {name}")
+        return "\n".join(lines)
+
+
+def _frame(frame: str) -> str:
+    """``fn (path/to/file.py:12)`` -> ``fn (file.py)``: lines of one function merged."""
+    name, _, where = frame.partition(" (")
+    if not where:
+        return frame
+    file = where.rstrip(")").rsplit(":", 1)[0]
+    return f"{name} ({'/'.join(Path(file).parts[-2:])})"
+
+
+async def timed_round(
+    side: str, fn: Callable[[], Awaitable[object]], pid: int, tokens: int, names: dict[int, str]
+) -> Round:
+    before = thread_cpu(pid)
+    start = time.perf_counter()
+    await fn()
+    seconds = time.perf_counter() - start
+    return Round(side, seconds, tokens, cpu_by_group(before, thread_cpu(pid), names, pid))
+
+
+async def run(args: argparse.Namespace, scratch: Path) -> None:
+    from service.engine.extractor import Extractor
+
+    model = model_at(args.model or scratch / "model-100m")
+    objects = scratch / "objects"
+    extractor = await Extractor.start(settings_for(model, objects, args.tokens))
+    try:
+        pid = worker_pid()
+        sampler = Sampler(pid, scratch, args.rate) if args.profile else None
+        batch = prompts(args.prompts, args.tokens, seed=0)
+        await plain(extractor, batch)  # warm-up, not counted
+        await _remove(extractor, await extract(extractor, batch))
+        names = thread_names(pid)  # every writer thread exists by now
+        rounds: list[Round] = []
+        for n in range(args.rounds):
+            batch = prompts(args.prompts, args.tokens, seed=n + 1)
+            order = ("plain", "extract") if n % 2 == 0 else ("extract", "plain")
+            for side in order:
+                r = await one_round(extractor, side, batch, pid, names, sampler)
+                rounds.append(r)
+                print(
+                    f"round {n + 1} {side:8s} {r.tok_s:7.0f} tok/s  {r.seconds:6.2f} s  "
+                    f"worker CPU {sum(r.cpu.values()):6.2f} s",
+                    flush=True,
+                )
+        print(summary(rounds))
+        if sampler is not None:
+            print(sampler.report(args.top, names))
+    finally:
+        await extractor.close()
+
+
+async def one_round(
+    extractor: Any,
+    side: str,
+    batch: list[list[int]],
+    pid: int,
+    names: dict[int, str],
+    sampler: Sampler | None,
+) -> Round:
+    """One timed batch of ``side``; its objects are removed afterwards, untimed."""
+    keys: list[str] = []
+
+    async def go() -> None:
+        if side == "plain":
+            await plain(extractor, batch)
+        else:
+            keys.extend(await extract(extractor, batch))
+
+    profiled = sampler if side == "extract" else None
+    if profiled is not None:
+        profiled.start()
+    r = await timed_round(side, go, pid, sum(map(len, batch)), names)
+    if profiled is not None:
+        profiled.stop()
+    await _remove(extractor, keys)
+    return r
+
+
+async def _remove(extractor: Any, keys: list[str]) -> None:
+    await asyncio.gather(*(extractor.storage.delete(k) for k in keys))
+
+
+def summary(rounds: list[Round]) -> str:
+    """Medians per side, the spread, the ratio of medians, and CPU by thread group."""
+    sides: dict[str, list[Round]] = {}
+    for r in rounds:
+        sides.setdefault(r.side, []).append(r)
+    lines = []
+    for side, rs in sides.items():
+        speeds = [r.tok_s for r in rs]
+        lines.append(
+            f"{side:8s} median {statistics.median(speeds):7.0f} tok/s "
+            f"(min {min(speeds):.0f}, max {max(speeds):.0f}, n={len(rs)})"
+        )
+    if {"plain", "extract"} <= sides.keys():
+        ratio = statistics.median(r.tok_s for r in sides["extract"]) / statistics.median(
+            r.tok_s for r in sides["plain"]
+        )
+        lines.append(f"ratio extract / plain: {ratio:.3f}")
+    groups = sorted(
+        {g for r in rounds for g in r.cpu}, key=lambda g: -sum(r.cpu.get(g, 0) for r in rounds)
+    )
+    lines.append("\nworker CPU seconds per round (median), by thread:")
+    lines.append(f"  {'thread':32s} " + " ".join(f"{side:>8s}" for side in sides))
+    for group in [*groups, "total"]:
+        cells = []
+        for rs in sides.values():
+            values = [
+                sum(r.cpu.values()) if group == "total" else r.cpu.get(group, 0.0) for r in rs
+            ]
+            cells.append(f"{statistics.median(values):8.2f}")
+        lines.append(f"  {group:32s} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_worker")
+    parser.add_argument("--profile", action="store_true", help="py-spy the engine during (b)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each side")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--top", type=int, default=25, help="functions listed per table")
+    parser.add_argument("--model", type=Path, help="where the model is kept (made once)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    with tempfile.TemporaryDirectory(prefix="hsx-profile-") as scratch:
+        asyncio.run(run(args, Path(scratch)))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point
+    main()
