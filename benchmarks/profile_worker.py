@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -38,8 +39,28 @@ from pathlib import Path
 from typing import Any
 
 from service.config import Settings
+from service.engine.introspect import HsxWorkerExtension
 
 LAYER_IDS = [2, 4, 5, 8]
+EXTENSION = "benchmarks.profile_worker.ProfileWorkerExtension"
+
+
+class ProfileWorkerExtension(HsxWorkerExtension):
+    """hsx's worker extension plus a switch for where the writer threads run, so one
+    engine compares placements round by round under the same load."""
+
+    def hsx_profile_place_writers(self, cpus: str, nice: int) -> list[int]:
+        """Move every ``hsx-*`` thread: ``cpus`` is ``fwd`` (the forward pass's CPUs,
+        where vLLM's binding leaves threads started from its thread), ``others`` (the
+        rest) or ``all``; ``nice`` is their nice value. Returns the CPUs chosen."""
+        forward = os.sched_getaffinity(0)  # collective_rpc runs on the forward thread
+        every = set(range(os.cpu_count() or 1))
+        chosen = {"fwd": forward, "others": (every - forward) or every, "all": every}[cpus]
+        for thread in threading.enumerate():
+            if thread.name.startswith("hsx-") and thread.native_id is not None:
+                os.sched_setaffinity(thread.native_id, chosen)
+                os.setpriority(os.PRIO_PROCESS, thread.native_id, nice)
+        return sorted(chosen)
 
 
 @dataclass
@@ -54,7 +75,7 @@ class Round:
         return self.tokens / self.seconds
 
 
-def settings_for(model: Path, objects: Path, tokens: int) -> Settings:
+def settings_for(model: Path, objects: Path, tokens: int, fsync: bool = True) -> Settings:
     """The issue's engine: float32, 2048-token steps, no prefix caching, eager."""
     return Settings(
         engine={
@@ -65,9 +86,9 @@ def settings_for(model: Path, objects: Path, tokens: int) -> Settings:
             "max_num_batched_tokens": 2048,
             "enable_prefix_caching": False,
             "cpu_kvcache_space_gib": 2,
-            "extra_args": {"enforce_eager": True},
+            "extra_args": {"enforce_eager": True, "worker_extension_cls": EXTENSION},
         },
-        storage={"url": str(objects)},
+        storage={"url": str(objects), "local": {"fsync": fsync}},
     )
 
 
@@ -247,8 +268,8 @@ async def run(args: argparse.Namespace, scratch: Path) -> None:
     from service.engine.extractor import Extractor
 
     model = model_at(args.model or scratch / "model-100m")
-    objects = scratch / "objects"
-    extractor = await Extractor.start(settings_for(model, objects, args.tokens))
+    settings = settings_for(model, scratch / "objects", args.tokens, not args.no_fsync)
+    extractor = await Extractor.start(settings)
     try:
         pid = worker_pid()
         sampler = Sampler(pid, scratch, args.rate) if args.profile else None
@@ -256,19 +277,19 @@ async def run(args: argparse.Namespace, scratch: Path) -> None:
         await plain(extractor, batch)  # warm-up, not counted
         await _remove(extractor, await extract(extractor, batch))
         names = thread_names(pid)  # every writer thread exists by now
+        sides = ["plain", *(f"extract:{v}" for v in args.variants or [""])]
         rounds: list[Round] = []
         for n in range(args.rounds):
             batch = prompts(args.prompts, args.tokens, seed=n + 1)
-            order = ("plain", "extract") if n % 2 == 0 else ("extract", "plain")
-            for side in order:
+            for side in sides[n % len(sides) :] + sides[: n % len(sides)]:
                 r = await one_round(extractor, side, batch, pid, names, sampler)
                 rounds.append(r)
                 print(
-                    f"round {n + 1} {side:8s} {r.tok_s:7.0f} tok/s  {r.seconds:6.2f} s  "
+                    f"round {n + 1} {side:16s} {r.tok_s:7.0f} tok/s  {r.seconds:6.2f} s  "
                     f"worker CPU {sum(r.cpu.values()):6.2f} s",
                     flush=True,
                 )
-        print(summary(rounds))
+        print(summary(rounds, len(sides)))
         if sampler is not None:
             print(sampler.report(args.top, names))
     finally:
@@ -283,8 +304,18 @@ async def one_round(
     names: dict[int, str],
     sampler: Sampler | None,
 ) -> Round:
-    """One timed batch of ``side``; its objects are removed afterwards, untimed."""
+    """One timed batch of ``side``; its objects are removed afterwards, untimed.
+
+    ``extract:CPUS[:NICE]`` first moves the writer threads (``ProfileWorkerExtension``);
+    plain ``extract:`` leaves them where hsx puts them.
+    """
     keys: list[str] = []
+    _, _, variant = side.partition(":")
+    if variant:
+        cpus, _, nice = variant.partition(":")
+        await extractor.engine.collective_rpc(
+            "hsx_profile_place_writers", args=(cpus, int(nice or 0))
+        )
 
     async def go() -> None:
         if side == "plain":
@@ -292,7 +323,7 @@ async def one_round(
         else:
             keys.extend(await extract(extractor, batch))
 
-    profiled = sampler if side == "extract" else None
+    profiled = sampler if side != "plain" else None
     if profiled is not None:
         profiled.start()
     r = await timed_round(side, go, pid, sum(map(len, batch)), names)
@@ -306,37 +337,106 @@ async def _remove(extractor: Any, keys: list[str]) -> None:
     await asyncio.gather(*(extractor.storage.delete(k) for k in keys))
 
 
-def summary(rounds: list[Round]) -> str:
-    """Medians per side, the spread, the ratio of medians, and CPU by thread group."""
+def summary(rounds: list[Round], per_round: int) -> str:
+    """Medians per side with their spread; each extraction side's ratio to plain, as a
+    ratio of medians and as the median of each round's own ratio; CPU by thread."""
     sides: dict[str, list[Round]] = {}
     for r in rounds:
         sides.setdefault(r.side, []).append(r)
+    plain_speed = statistics.median(r.tok_s for r in sides["plain"])
     lines = []
     for side, rs in sides.items():
         speeds = [r.tok_s for r in rs]
-        lines.append(
-            f"{side:8s} median {statistics.median(speeds):7.0f} tok/s "
+        line = (
+            f"{side:16s} median {statistics.median(speeds):7.0f} tok/s "
             f"(min {min(speeds):.0f}, max {max(speeds):.0f}, n={len(rs)})"
         )
-    if {"plain", "extract"} <= sides.keys():
-        ratio = statistics.median(r.tok_s for r in sides["extract"]) / statistics.median(
-            r.tok_s for r in sides["plain"]
-        )
-        lines.append(f"ratio extract / plain: {ratio:.3f}")
+        if side != "plain":
+            paired = [
+                r.tok_s / p.tok_s
+                for i in range(0, len(rounds), per_round)
+                for r in rounds[i : i + per_round]
+                for p in rounds[i : i + per_round]
+                if r.side == side and p.side == "plain"
+            ]
+            line += (
+                f"; ratio to plain {statistics.median(speeds) / plain_speed:.3f}, "
+                f"per round {statistics.median(paired):.3f} "
+                f"(min {min(paired):.3f}, max {max(paired):.3f})"
+            )
+        lines.append(line)
     groups = sorted(
         {g for r in rounds for g in r.cpu}, key=lambda g: -sum(r.cpu.get(g, 0) for r in rounds)
     )
     lines.append("\nworker CPU seconds per round (median), by thread:")
-    lines.append(f"  {'thread':32s} " + " ".join(f"{side:>8s}" for side in sides))
+    lines.append(f"  {'thread':28s} " + " ".join(f"{side[-14:]:>14s}" for side in sides))
     for group in [*groups, "total"]:
         cells = []
         for rs in sides.values():
             values = [
                 sum(r.cpu.values()) if group == "total" else r.cpu.get(group, 0.0) for r in rs
             ]
-            cells.append(f"{statistics.median(values):8.2f}")
-        lines.append(f"  {group:32s} " + " ".join(cells))
+            cells.append(f"{statistics.median(values):14.2f}")
+        lines.append(f"  {group[:28]:28s} " + " ".join(cells))
     return "\n".join(lines)
+
+
+async def writer_only(args: argparse.Namespace, scratch: Path) -> None:
+    """The worker's writer pool alone, in this process: CPU seconds per object.
+
+    No engine competes, so these numbers are steadier than the A/B's: ``--writer``
+    runs ``args.rounds`` batches of ``args.prompts`` objects of ``args.tokens`` tokens
+    (4 layers, hidden 1024, float32: the A/B's objects) to local disk.
+    """
+    import torch
+
+    from service.config import StorageSettings
+    from service.engine.completion import CompletionReceiver, CompletionSender
+    from service.engine.objects import object_metadata
+    from service.engine.writer import WriteJob, WriterPool
+    from service.storage.keys import new_object_key
+
+    receiver = CompletionReceiver(f"ipc://{scratch / 'writer.sock'}")
+    receiver.start()
+    pool = WriterPool(
+        StorageSettings(url=str(scratch / "objects"), local={"fsync": not args.no_fsync}),
+        CompletionSender(receiver.address),
+        max_bytes_in_flight=2**40,
+        max_concurrent_writes=8,
+    )
+    states = [torch.randn(args.tokens, len(LAYER_IDS), 1024) for _ in range(8)]
+    metadata = object_metadata("m", LAYER_IDS, "float32")
+    pid = os.getpid()
+    try:
+        for n in range(args.rounds):
+            before, start = thread_cpu(pid), time.perf_counter()
+            jobs = [
+                WriteJob(
+                    new_object_key("hsx", "w"),
+                    states[i % 8],
+                    torch.arange(args.tokens),
+                    metadata,
+                    states[i % 8].numel() * 4,
+                )
+                for i in range(args.prompts)
+            ]
+            waiters = [receiver.expect(j.key) for j in jobs]
+            for job in jobs:
+                assert pool.try_reserve(job.nbytes)
+                pool.submit(job)
+            done = await asyncio.gather(*waiters)
+            seconds = time.perf_counter() - start
+            assert all(c.stored is not None for c in done), done[0].failure
+            cpu = cpu_by_group(before, thread_cpu(pid), thread_names(pid), pid)
+            per = {k: 1000 * v / args.prompts for k, v in sorted(cpu.items()) if v > 0}
+            total = 1000 * sum(cpu.values()) / args.prompts
+            detail = ", ".join(f"{k} {v:.2f}" for k, v in per.items())
+            print(f"writer round {n + 1}: {seconds:.2f} s, {total:.2f} ms CPU per object: {detail}")
+            for job in jobs:
+                (scratch / "objects" / job.key).unlink()
+    finally:
+        await asyncio.to_thread(pool.close)
+        await receiver.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -348,10 +448,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25, help="functions listed per table")
     parser.add_argument("--model", type=Path, help="where the model is kept (made once)")
+    parser.add_argument("--writer", action="store_true", help="the writer pool alone, no engine")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        help="writer placements, each its own extraction side: CPUS[:NICE], CPUS one of "
+        "fwd (the forward pass's CPUs), others, all; e.g. fwd others others:10",
+    )
+    parser.add_argument(
+        "--no-fsync", action="store_true", help="experiment only: objects are not made durable"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with tempfile.TemporaryDirectory(prefix="hsx-profile-") as scratch:
-        asyncio.run(run(args, Path(scratch)))
+        asyncio.run((writer_only if args.writer else run)(args, Path(scratch)))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

@@ -16,8 +16,10 @@ in-flight bytes after its own were released, so the API's gauge reads 0 once idl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -99,12 +101,19 @@ class WriterPool:
         self._loop.set_default_executor(
             ThreadPoolExecutor(max_concurrent_writes, "hsx-encode", _one_torch_thread)
         )
-        self._thread = threading.Thread(target=self._loop.run_forever, name="hsx-writer")
+        forward_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self._thread = threading.Thread(
+            target=self._run_loop, args=(forward_cpus,), name="hsx-writer"
+        )
         self._thread.daemon = True
         self._thread.start()
         self._storage = open_storage(storage, self._ops, factory=storage_factory)
         self._limit = asyncio.Semaphore(max_concurrent_writes)
         self._pending: set[Future[None]] = set()
+
+    def _run_loop(self, forward_cpus: set[int]) -> None:
+        _off_the_forward_pass(forward_cpus)  # before any thread of ours is started
+        self._loop.run_forever()
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -236,6 +245,22 @@ def _failure(exc: Exception) -> WriteFailure:
     if isinstance(exc, StorageError):
         return WriteFailure(type="storage_error", message=message)
     return WriteFailure(type="internal_error", message=message)
+
+
+def _off_the_forward_pass(forward_cpus: set[int]) -> None:
+    """Keep this thread, and every thread it starts, from slowing the forward pass.
+
+    Linux threads inherit CPU affinity and nice value from the thread that starts them,
+    and the writer's threads (encoders, the storage's I/O threads) are all started from
+    this one. vLLM's CPU worker binds the forward pass's thread to one CPU before our
+    connector starts, so without this every writer thread would share that CPU with it.
+    """
+    others = set(range(os.cpu_count() or 1)) - forward_cpus
+    if others and hasattr(os, "sched_setaffinity"):
+        # The kernel keeps only the CPUs our cpuset allows; none left raises, and then
+        # the writers stay where they are.
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, others)
 
 
 def _one_torch_thread() -> None:
