@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load, save
 
 from service import codecs
+from service.storage import Data
 from tests.engine.faulty import FaultyStorage
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -234,7 +235,7 @@ def test_prepared_nbytes_is_what_prepare_hands_over(codec: codecs.Codec) -> None
 class StalledStorage(FaultyStorage):
     """Real local storage whose puts wait for ``GATE``: a store that has stalled."""
 
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> Any:
+    async def put(self, key: str, data: Data) -> Any:
         await asyncio.to_thread(GATE.wait, 60)
         return await self.inner.put(key, data)
 

@@ -33,7 +33,7 @@ from service.codecs import Codec
 from service.config import StorageSettings
 from service.engine.completion import CompletionSender
 from service.engine.errors import InvalidStatesError
-from service.engine.objects import serialize
+from service.engine.objects import serialize_parts
 from service.engine.wire import Completion, StoredObject, WriteFailure
 from service.storage import StorageError, StorageOp, open_storage
 
@@ -159,12 +159,12 @@ class WriterPool:
             stored: StoredObject | None = None
             failure: WriteFailure | None = None
             try:
-                copy_s = await asyncio.to_thread(job.wait_copied)
-                data = await asyncio.to_thread(self._prepare, job)
+                copy_s, parts = await asyncio.to_thread(self._prepare, job)
                 shape = tuple(job.hidden_states.shape)
-                job.hidden_states = job.prepared = None  # encoded: the host copy can go
-                self._shrink(job, len(data))
-                ref = await self._storage.put(job.key, data)
+                # Encoded: the host copy can go, unless the parts are its memory (raw).
+                job.hidden_states = job.prepared = None
+                self._shrink(job, sum(memoryview(p).nbytes for p in parts))
+                ref = await self._storage.put(job.key, parts)
                 stored = StoredObject(
                     key=job.key,
                     uri=ref.uri,
@@ -183,16 +183,21 @@ class WriterPool:
                 job.release()
         await self._complete(job.key, job.nbytes, stored=stored, failure=failure)
 
-    def _prepare(self, job: WriteJob) -> bytes:
-        """Validate, then serialise (on a thread: both read the whole tensor)."""
+    def _prepare(self, job: WriteJob) -> tuple[float, list[bytes | memoryview]]:
+        """Wait for the copy, validate, serialise: one thread hop for all three.
+
+        Returns the copy's duration and the object as [header, tensor memory...]: the
+        tensors are not copied again, storage writes (and hashes) them where they are.
+        """
         from service.engine.validation import check_states
 
+        copy_s = job.wait_copied()
         layer_ids = json.loads(job.metadata.get("layer_ids", "null"))
         if job.prepared is None:
             check_states(job.hidden_states, layer_ids)
         else:  # encoded on the GPU: check what a reader will get back
             check_states(codecs.restore(job.codec, job.prepared), layer_ids)
-        return serialize(
+        return copy_s, serialize_parts(
             job.codec, job.hidden_states, job.token_ids, job.metadata, job.prepared, job.loss_mask
         )
 
