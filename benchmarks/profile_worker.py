@@ -49,18 +49,30 @@ class ProfileWorkerExtension(HsxWorkerExtension):
     """hsx's worker extension plus a switch for where the writer threads run, so one
     engine compares placements round by round under the same load."""
 
+    def hsx_profile_cache(self) -> dict[str, Any]:
+        """The hidden-state cache's shape and whether the fast row gather applies."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        cache = get_kv_transfer_group()._worker._cache
+        return {"shape": list(cache.shape), "contiguous": cache.is_contiguous()}
+
     def hsx_profile_place_writers(self, cpus: str, nice: int) -> list[int]:
-        """Move every ``hsx-*`` thread: ``cpus`` is ``fwd`` (the forward pass's CPUs,
-        where vLLM's binding leaves threads started from its thread), ``others`` (the
-        rest) or ``all``; ``nice`` is their nice value. Returns the CPUs chosen."""
-        forward = os.sched_getaffinity(0)  # collective_rpc runs on the forward thread
-        every = set(range(os.cpu_count() or 1))
-        chosen = {"fwd": forward, "others": (every - forward) or every, "all": every}[cpus]
-        for thread in threading.enumerate():
-            if thread.name.startswith("hsx-") and thread.native_id is not None:
-                os.sched_setaffinity(thread.native_id, chosen)
-                os.setpriority(os.PRIO_PROCESS, thread.native_id, nice)
-        return sorted(chosen)
+        """``place_writers`` in the worker (collective_rpc runs on its forward thread)."""
+        return place_writers(cpus, nice)
+
+
+def place_writers(cpus: str, nice: int) -> list[int]:
+    """Move every ``hsx-*`` thread: ``cpus`` is ``fwd`` (the calling, forward pass's
+    thread's CPUs, where vLLM's binding leaves threads started from it), ``others`` (the
+    rest) or ``all``; ``nice`` is their nice value. Returns the CPUs chosen."""
+    forward = os.sched_getaffinity(0)
+    every = set(range(os.cpu_count() or 1))
+    chosen = {"fwd": forward, "others": (every - forward) or every, "all": every}[cpus]
+    for thread in threading.enumerate():
+        if thread.name.startswith("hsx-") and thread.native_id is not None:
+            os.sched_setaffinity(thread.native_id, chosen)
+            os.setpriority(os.PRIO_PROCESS, thread.native_id, nice)
+    return sorted(chosen)
 
 
 @dataclass
@@ -277,6 +289,7 @@ async def run(args: argparse.Namespace, scratch: Path) -> None:
         await plain(extractor, batch)  # warm-up, not counted
         await _remove(extractor, await extract(extractor, batch))
         names = thread_names(pid)  # every writer thread exists by now
+        print(f"hidden-state cache: {(await extractor.on_workers('hsx_profile_cache'))[0]}")
         sides = ["plain", *(f"extract:{v}" for v in args.variants or [""])]
         rounds: list[Round] = []
         for n in range(args.rounds):
@@ -382,61 +395,134 @@ def summary(rounds: list[Round], per_round: int) -> str:
 
 
 async def writer_only(args: argparse.Namespace, scratch: Path) -> None:
-    """The worker's writer pool alone, in this process: CPU seconds per object.
+    """The writer's per-object work alone, in this process: CPU milliseconds per object
+    for each way of serialising, interleaved batch by batch through one real
+    ``LocalStorage`` (fsync'd unless ``--no-fsync``).
 
-    No engine competes, so these numbers are steadier than the A/B's: ``--writer``
-    runs ``args.rounds`` batches of ``args.prompts`` objects of ``args.tokens`` tokens
-    (4 layers, hidden 1024, float32: the A/B's objects) to local disk.
+    ``bytes``: validate, ``objects.serialize`` to one bytes object, ``put`` it (the
+    writer before this profile); ``parts``: validate, ``serialize_parts`` (header plus
+    the tensor's own memory), ``put`` the pieces (the writer now). Each batch is
+    ``--prompts`` objects of ``--tokens`` tokens (4 layers, hidden 1024, float32), 8 at
+    a time, like the writer pool's 8 threads. CPU time counts every thread of this
+    process, so it is steadier than wall time on a shared machine.
     """
     import torch
 
     from service.config import StorageSettings
-    from service.engine.completion import CompletionReceiver, CompletionSender
+    from service.engine.objects import object_metadata, serialize, serialize_parts
+    from service.engine.validation import check_states
+    from service.storage import open_storage
+    from service.storage.keys import new_object_key
+
+    storage = open_storage(
+        StorageSettings(url=str(scratch / "objects"), local={"fsync": not args.no_fsync})
+    )
+    states = [torch.randn(args.tokens, len(LAYER_IDS), 1024) for _ in range(8)]
+    metadata = object_metadata("m", LAYER_IDS, "float32")
+    limit = asyncio.Semaphore(8)
+
+    def encode(way: str, state: Any) -> Any:
+        check_states(state)
+        if way == "bytes":
+            return serialize("raw", state, torch.arange(args.tokens), metadata)
+        return serialize_parts("raw", state, torch.arange(args.tokens), metadata)
+
+    async def one(way: str, state: Any) -> str:
+        async with limit:
+            data = await asyncio.to_thread(encode, way, state)
+            return (await storage.put(new_object_key("hsx", "w"), data)).key
+
+    cpu: dict[str, list[float]] = {"bytes": [], "parts": []}
+    try:
+        for n in range(args.rounds):
+            for way in ("bytes", "parts") if n % 2 == 0 else ("parts", "bytes"):
+                start = time.process_time()
+                keys = await asyncio.gather(*(one(way, states[i % 8]) for i in range(args.prompts)))
+                cpu[way].append(1000 * (time.process_time() - start) / args.prompts)
+                await asyncio.gather(*(storage.delete(k) for k in keys))
+            print(f"batch {n + 1}: " + ", ".join(f"{w} {v[-1]:.2f}" for w, v in cpu.items()))
+        for way, values in cpu.items():
+            print(
+                f"{way:6s} median {statistics.median(values):.2f} ms CPU per object "
+                f"(min {min(values):.2f}, max {max(values):.2f}, n={len(values)})"
+            )
+    finally:
+        await storage.close()
+
+
+def interference(args: argparse.Namespace, scratch: Path) -> None:
+    """How much the writer slows a forward pass, by where its threads run.
+
+    A stand-in for vLLM's CPU worker without an engine: this thread runs float32 GEMMs
+    (2048x1024 by 1024x3072, 32 per "step", about a step of the 100M model) on a
+    two-thread OpenMP team bound to CPUs 0 and 1 as vLLM binds it, and starts the
+    writer pool, as the connector does. Each window is two steps with 8 objects of the
+    A/B's size submitted at the start of each (``none``: no objects), timed until the
+    last object is durable; placements rotate window by window. Pure GEMMs leave the
+    writers no idle moments to use, unlike the engine's steps: a worst case.
+    """
+    import torch
+    import zmq
+
+    from service.config import StorageSettings
+    from service.engine.completion import CompletionSender
     from service.engine.objects import object_metadata
     from service.engine.writer import WriteJob, WriterPool
     from service.storage.keys import new_object_key
 
-    receiver = CompletionReceiver(f"ipc://{scratch / 'writer.sock'}")
-    receiver.start()
+    a, b = torch.randn(2048, 1024), torch.randn(1024, 3072)
+    out = torch.mm(a, b)  # the OpenMP team starts, bound by OMP_PLACES
+    print(f"forward thread bound to CPUs {sorted(os.sched_getaffinity(0))}")
+    address = f"ipc://{scratch / 'interference.sock'}"
+    pull: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(address)
     pool = WriterPool(
-        StorageSettings(url=str(scratch / "objects"), local={"fsync": not args.no_fsync}),
-        CompletionSender(receiver.address),
+        StorageSettings(url=str(scratch / "objects")),
+        CompletionSender(address),
         max_bytes_in_flight=2**40,
         max_concurrent_writes=8,
     )
     states = [torch.randn(args.tokens, len(LAYER_IDS), 1024) for _ in range(8)]
     metadata = object_metadata("m", LAYER_IDS, "float32")
-    pid = os.getpid()
+    variants = ["none", *(args.variants or ["fwd", "others"])]
+    rates: dict[str, list[float]] = {v: [] for v in variants}
     try:
         for n in range(args.rounds):
-            before, start = thread_cpu(pid), time.perf_counter()
-            jobs = [
-                WriteJob(
-                    new_object_key("hsx", "w"),
-                    states[i % 8],
-                    torch.arange(args.tokens),
-                    metadata,
-                    states[i % 8].numel() * 4,
-                )
-                for i in range(args.prompts)
-            ]
-            waiters = [receiver.expect(j.key) for j in jobs]
-            for job in jobs:
-                assert pool.try_reserve(job.nbytes)
-                pool.submit(job)
-            done = await asyncio.gather(*waiters)
-            seconds = time.perf_counter() - start
-            assert all(c.stored is not None for c in done), done[0].failure
-            cpu = cpu_by_group(before, thread_cpu(pid), thread_names(pid), pid)
-            per = {k: 1000 * v / args.prompts for k, v in sorted(cpu.items()) if v > 0}
-            total = 1000 * sum(cpu.values()) / args.prompts
-            detail = ", ".join(f"{k} {v:.2f}" for k, v in per.items())
-            print(f"writer round {n + 1}: {seconds:.2f} s, {total:.2f} ms CPU per object: {detail}")
-            for job in jobs:
-                (scratch / "objects" / job.key).unlink()
+            for variant in variants[n % len(variants) :] + variants[: n % len(variants)]:
+                if variant != "none":
+                    cpus, _, nice = variant.partition(":")
+                    place_writers(cpus, int(nice or 0))
+                start, written = time.perf_counter(), 0
+                for _ in range(2):
+                    if variant != "none":
+                        for state in states:
+                            job = WriteJob(
+                                new_object_key("hsx", "i"),
+                                state,
+                                torch.arange(args.tokens),
+                                metadata,
+                                state.numel() * 4,
+                            )
+                            assert pool.try_reserve(job.nbytes)
+                            pool.submit(job)
+                            written += 1
+                    for _ in range(32):
+                        torch.mm(a, b, out=out)
+                for _ in range(written):
+                    pull.recv()
+                rates[variant].append(64 / (time.perf_counter() - start))
+            print(f"window set {n + 1}: " + ", ".join(f"{v} {r[-1]:.2f}" for v, r in rates.items()))
+        base = statistics.median(rates["none"])
+        for variant, r in rates.items():
+            print(
+                f"{variant:12s} median {statistics.median(r):6.2f} GEMM/s "
+                f"(min {min(r):.2f}, max {max(r):.2f}); vs none {statistics.median(r) / base:.3f}"
+            )
     finally:
-        await asyncio.to_thread(pool.close)
-        await receiver.close()
+        pool.close()
+        pull.close()
+        for path in (scratch / "objects").rglob("*.safetensors"):
+            path.unlink()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -450,6 +536,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, help="where the model is kept (made once)")
     parser.add_argument("--writer", action="store_true", help="the writer pool alone, no engine")
     parser.add_argument(
+        "--interference",
+        action="store_true",
+        help="GEMMs bound like vLLM's CPU worker while the writer writes, by placement",
+    )
+    parser.add_argument(
         "--variants",
         nargs="*",
         help="writer placements, each its own extraction side: CPUS[:NICE], CPUS one of "
@@ -461,6 +552,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with tempfile.TemporaryDirectory(prefix="hsx-profile-") as scratch:
+        if args.interference:
+            # vLLM's CPU worker binding on a 2-CPU machine: one OpenMP thread per CPU,
+            # set before torch starts its team.
+            os.environ.update(OMP_NUM_THREADS="2", OMP_PLACES="{0},{1}", OMP_PROC_BIND="close")
+            interference(args, Path(scratch))
+            return
         asyncio.run((writer_only if args.writer else run)(args, Path(scratch)))
 
 

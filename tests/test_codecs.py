@@ -63,6 +63,39 @@ def test_raw_is_the_example_connector_layout() -> None:
     assert torch.equal(tensors["hidden_states"], x)
 
 
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_pack_parts_are_the_safetensors_file_of_the_same_tensors(codec: codecs.Codec) -> None:
+    # What the writer stores: the header and each tensor's own memory, one after another.
+    x = states()
+    mask = torch.tensor([0, 1] * 18 + [1], dtype=torch.uint8)
+    meta = {"dtype": "float32", "model": "m", "note": 'quote " back\\slash\n\x01 é'}
+    prepared = codecs.prepare(codec, x)
+    parts = codecs.pack_parts(codec, prepared, ids(37), meta, {"loss_mask": mask})
+    data = b"".join(parts)
+    assert data == codecs.pack(codec, prepared, ids(37), meta, {"loss_mask": mask})
+    tensors, stored = codecs.decode(data)
+    assert codecs.read_metadata(data) == stored
+    assert {k: stored[k] for k in meta} == meta
+    assert torch.equal(tensors["token_ids"], ids(37))
+    assert torch.equal(tensors["loss_mask"], mask)
+    assert torch.equal(
+        tensors["hidden_states"],
+        codecs.decode(codecs.encode(codec, x, ids(37)))[0]["hidden_states"],
+    )
+    # safetensors' own writer gives the same bytes (one metadata key: it orders keys
+    # differently from run to run, we sort them).
+    one = {"dtype": "float32"}
+    packed = {n: t.contiguous() for n, t in prepared.items()}
+    if codec == "lossless":
+        packed = codecs.split_planes(x)
+    full = {**one, "hsx.codec": codec, "hsx.codec_version": codecs.CODEC_VERSION}
+    ours = b"".join(
+        codecs.safetensors_parts({**packed, "token_ids": ids(37)}, {"dtype": "float32"})
+    )
+    assert ours == save({**packed, "token_ids": ids(37)}, metadata=one)
+    assert codecs.read_metadata(codecs.pack(codec, prepared, ids(37), one)) == full
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_lossless_is_bit_identical_on_any_bit_pattern(dtype: torch.dtype) -> None:
     """Random bits cover NaN payloads, infinities, subnormals and -0.0."""
