@@ -164,8 +164,23 @@ def pack(
     ``hsx.codec_version`` are set here. ``extra`` tensors (e.g. ``loss_mask``) are
     stored as they are.
     """
+    return b"".join(pack_parts(codec, prepared, token_ids, metadata, extra))
+
+
+def pack_parts(
+    codec: Codec,
+    prepared: Mapping[str, torch.Tensor],
+    token_ids: torch.Tensor,
+    metadata: Mapping[str, str],
+    extra: Mapping[str, torch.Tensor] | None = None,
+) -> list[bytes | memoryview]:
+    """``pack``'s bytes in pieces, without copying the tensors: the safetensors header,
+    then each tensor's own memory (the pieces keep the tensors alive).
+
+    The writer hands the pieces to storage as they are, so an object's states are read
+    once, by the write, instead of being copied into one buffer first.
+    """
     import torch
-    from safetensors.torch import save
 
     if "dtype" not in metadata:
         raise ValueError("metadata must name the states' dtype")
@@ -175,7 +190,65 @@ def pack(
     tensors["token_ids"] = token_ids.to(torch.int64).contiguous()
     tensors.update({name: t.contiguous() for name, t in (extra or {}).items()})
     meta = {**metadata, CODEC_KEY: codec, CODEC_VERSION_KEY: CODEC_VERSION}
-    return bytes(save(tensors, metadata=meta))
+    return safetensors_parts(tensors, meta)
+
+
+#: safetensors' dtype names, in the order its writer ranks them: tensors are laid out
+#: highest rank first (then by name), so our bytes equal ``safetensors.torch.save``'s.
+_SAFETENSORS_DTYPES = (
+    ("bool", "BOOL"),
+    ("uint8", "U8"),
+    ("int8", "I8"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("int16", "I16"),
+    ("uint16", "U16"),
+    ("float16", "F16"),
+    ("bfloat16", "BF16"),
+    ("int32", "I32"),
+    ("uint32", "U32"),
+    ("float32", "F32"),
+    ("float64", "F64"),
+    ("int64", "I64"),
+    ("uint64", "U64"),
+)
+_ST_NAME = {torch_name: st for torch_name, st in _SAFETENSORS_DTYPES}
+_ST_RANK = {torch_name: rank for rank, (torch_name, _) in enumerate(_SAFETENSORS_DTYPES)}
+
+
+def safetensors_parts(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> list[bytes | memoryview]:
+    """A safetensors file of contiguous CPU ``tensors`` as [header, tensor bytes...].
+
+    Laid out as ``safetensors.torch.save`` lays it out (its tensor order, compact JSON,
+    the header padded with spaces to 8 bytes), without copying a tensor. Metadata keys
+    are sorted, where safetensors writes them in an order that changes from process to
+    process: the same object gives the same bytes, and the same SHA-256.
+    """
+    import torch
+
+    if sys.byteorder != "little":  # safetensors is little-endian: let it swap bytes
+        from safetensors.torch import save
+
+        return [save(dict(tensors), metadata=dict(metadata))]
+    order = sorted(tensors, key=lambda n: (-_ST_RANK[dtype_name(tensors[n].dtype)], n))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    views: list[bytes | memoryview] = []
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        header[name] = {
+            "dtype": _ST_NAME[dtype_name(tensor.dtype)],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + view.nbytes],
+        }
+        offset += view.nbytes
+        views.append(view)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text, *views]
 
 
 def encode(

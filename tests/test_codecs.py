@@ -15,6 +15,7 @@ import zstandard
 from safetensors.torch import load, save
 
 from service import codecs
+from service.storage import Data
 from tests.engine.faulty import FaultyStorage
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -63,6 +64,39 @@ def test_raw_is_the_example_connector_layout() -> None:
     tensors = load(codecs.encode("raw", x, ids(37)))
     assert set(tensors) == {"hidden_states", "token_ids"}
     assert torch.equal(tensors["hidden_states"], x)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_pack_parts_are_the_safetensors_file_of_the_same_tensors(codec: codecs.Codec) -> None:
+    # What the writer stores: the header and each tensor's own memory, one after another.
+    x = states()
+    mask = torch.tensor([0, 1] * 18 + [1], dtype=torch.uint8)
+    meta = {"dtype": "float32", "model": "m", "note": 'quote " back\\slash\n\x01 é'}
+    prepared = codecs.prepare(codec, x)
+    parts = codecs.pack_parts(codec, prepared, ids(37), meta, {"loss_mask": mask})
+    data = b"".join(parts)
+    assert data == codecs.pack(codec, prepared, ids(37), meta, {"loss_mask": mask})
+    tensors, stored = codecs.decode(data)
+    assert codecs.read_metadata(data) == stored
+    assert {k: stored[k] for k in meta} == meta
+    assert torch.equal(tensors["token_ids"], ids(37))
+    assert torch.equal(tensors["loss_mask"], mask)
+    assert torch.equal(
+        tensors["hidden_states"],
+        codecs.decode(codecs.encode(codec, x, ids(37)))[0]["hidden_states"],
+    )
+    # safetensors' own writer gives the same bytes (one metadata key: it orders keys
+    # differently from run to run, we sort them).
+    one = {"dtype": "float32"}
+    packed = {n: t.contiguous() for n, t in prepared.items()}
+    if codec == "lossless":
+        packed = codecs.split_planes(x)
+    full = {**one, "hsx.codec": codec, "hsx.codec_version": codecs.CODEC_VERSION}
+    ours = b"".join(
+        codecs.safetensors_parts({**packed, "token_ids": ids(37)}, {"dtype": "float32"})
+    )
+    assert ours == save({**packed, "token_ids": ids(37)}, metadata=one)
+    assert codecs.read_metadata(codecs.pack(codec, prepared, ids(37), one)) == full
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -294,7 +328,7 @@ def test_prepared_nbytes_is_what_prepare_hands_over(codec: codecs.Codec) -> None
 class StalledStorage(FaultyStorage):
     """Real local storage whose puts wait for ``GATE``: a store that has stalled."""
 
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> Any:
+    async def put(self, key: str, data: Data) -> Any:
         await asyncio.to_thread(GATE.wait, 60)
         return await self.inner.put(key, data)
 

@@ -63,8 +63,21 @@ def serialize(
     ``prepared``: the codec's first stage already ran on the device (CUDA), these are
     its tensors; otherwise it runs here, on ``hidden_states``.
     """
+    return b"".join(serialize_parts(codec, hidden_states, token_ids, metadata, prepared, loss_mask))
+
+
+def serialize_parts(
+    codec: Codec,
+    hidden_states: Any,
+    token_ids: Any,
+    metadata: Mapping[str, str],
+    prepared: Mapping[str, Any] | None = None,
+    loss_mask: Any = None,
+) -> list[bytes | memoryview]:
+    """``serialize``'s bytes as [header, tensor memory...], no tensor copied
+    (``service.codecs.pack_parts``); what the writer hands to storage."""
     import torch
 
     tensors = prepared if prepared is not None else codecs.prepare(codec, hidden_states)
     extra = {} if loss_mask is None else {"loss_mask": loss_mask.to(torch.uint8)}
-    return codecs.pack(codec, tensors, token_ids, metadata, extra)
+    return codecs.pack_parts(codec, tensors, token_ids, metadata, extra)

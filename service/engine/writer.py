@@ -16,8 +16,10 @@ in-flight bytes after its own were released, so the API's gauge reads 0 once idl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -31,7 +33,7 @@ from service.codecs import Codec
 from service.config import StorageSettings
 from service.engine.completion import CompletionSender
 from service.engine.errors import InvalidStatesError
-from service.engine.objects import serialize
+from service.engine.objects import serialize_parts
 from service.engine.wire import Completion, StoredObject, WriteFailure
 from service.storage import StorageError, StorageOp, open_storage
 
@@ -99,12 +101,19 @@ class WriterPool:
         self._loop.set_default_executor(
             ThreadPoolExecutor(max_concurrent_writes, "hsx-encode", _one_torch_thread)
         )
-        self._thread = threading.Thread(target=self._loop.run_forever, name="hsx-writer")
+        forward_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self._thread = threading.Thread(
+            target=self._run_loop, args=(forward_cpus,), name="hsx-writer"
+        )
         self._thread.daemon = True
         self._thread.start()
         self._storage = open_storage(storage, self._ops, factory=storage_factory)
         self._limit = asyncio.Semaphore(max_concurrent_writes)
         self._pending: set[Future[None]] = set()
+
+    def _run_loop(self, forward_cpus: set[int]) -> None:
+        _off_the_forward_pass(forward_cpus)  # before any thread of ours is started
+        self._loop.run_forever()
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -150,15 +159,14 @@ class WriterPool:
             stored: StoredObject | None = None
             failure: WriteFailure | None = None
             try:
-                copy_s = await asyncio.to_thread(job.wait_copied)
-                data = await asyncio.to_thread(self._prepare, job)
+                copy_s, parts = await asyncio.to_thread(self._prepare, job)
                 shape = tuple(job.hidden_states.shape)
-                job.hidden_states = job.prepared = None  # encoded: the host copy can go
-                # Now, not after the put: from here the ceiling counts only the encoded
-                # bytes, so a pinned buffer kept longer would be memory it does not count.
-                _release(job)
-                self._shrink(job, len(data))
-                ref = await self._storage.put(job.key, data)
+                # Encoded: the host copy can go, unless the parts are its memory (raw,
+                # and on CUDA the device-encoded codecs: the parts view the pinned
+                # buffer, so it is released only after the put, in `finally`).
+                job.hidden_states = job.prepared = None
+                self._shrink(job, sum(memoryview(p).nbytes for p in parts))
+                ref = await self._storage.put(job.key, parts)
                 stored = StoredObject(
                     key=job.key,
                     uri=ref.uri,
@@ -177,16 +185,21 @@ class WriterPool:
                 _release(job)
         await self._complete(job.key, job.nbytes, stored=stored, failure=failure)
 
-    def _prepare(self, job: WriteJob) -> bytes:
-        """Validate, then serialise (on a thread: both read the whole tensor)."""
+    def _prepare(self, job: WriteJob) -> tuple[float, list[bytes | memoryview]]:
+        """Wait for the copy, validate, serialise: one thread hop for all three.
+
+        Returns the copy's duration and the object as [header, tensor memory...]: the
+        tensors are not copied again, storage writes (and hashes) them where they are.
+        """
         from service.engine.validation import check_states
 
+        copy_s = job.wait_copied()
         layer_ids = json.loads(job.metadata.get("layer_ids", "null"))
         if job.prepared is None:
             check_states(job.hidden_states, layer_ids)
         else:  # encoded on the GPU: check what a reader will get back
             check_states(codecs.restore(job.codec, job.prepared), layer_ids)
-        return serialize(
+        return copy_s, serialize_parts(
             job.codec, job.hidden_states, job.token_ids, job.metadata, job.prepared, job.loss_mask
         )
 
@@ -249,6 +262,22 @@ def _failure(exc: Exception) -> WriteFailure:
     if isinstance(exc, StorageError):
         return WriteFailure(type="storage_error", message=message)
     return WriteFailure(type="internal_error", message=message)
+
+
+def _off_the_forward_pass(forward_cpus: set[int]) -> None:
+    """Keep this thread, and every thread it starts, from slowing the forward pass.
+
+    Linux threads inherit CPU affinity and nice value from the thread that starts them,
+    and the writer's threads (encoders, the storage's I/O threads) are all started from
+    this one. vLLM's CPU worker binds the forward pass's thread to one CPU before our
+    connector starts, so without this every writer thread would share that CPU with it.
+    """
+    others = set(range(os.cpu_count() or 1)) - forward_cpus
+    if others and hasattr(os, "sched_setaffinity"):
+        # The kernel keeps only the CPUs our cpuset allows; none left raises, and then
+        # the writers stay where they are.
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, others)
 
 
 def _one_torch_thread() -> None:

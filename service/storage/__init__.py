@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from service.storage.base import (
     AlreadyExistsError,
+    Data,
     IntegrityError,
     InvalidKeyError,
     NotFoundError,
@@ -45,6 +46,7 @@ BACKENDS: dict[str, str] = {
 __all__ = [
     "BACKENDS",
     "AlreadyExistsError",
+    "Data",
     "IntegrityError",
     "InvalidKeyError",
     "NotFoundError",

@@ -4,6 +4,8 @@ A backend stores opaque bytes under server-made keys. Its contract:
 
 * ``put`` / ``put_file`` publish atomically: once they return, the key names the
   complete object; if they raise, no object (and no partial object) exists under it.
+  ``put`` takes one buffer or a sequence of them (stored one after another), so a
+  caller with a header and tensors' memory never joins them into one copy.
 * ``get`` / ``head`` raise :class:`NotFoundError` for a missing key.
 * ``delete`` is idempotent.
 * ``list`` pages through the keys under a prefix in ascending key order, starting
@@ -25,7 +27,7 @@ import abc
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +36,9 @@ from typing import Protocol, TypeVar
 
 _T = TypeVar("_T")
 CHUNK = 8 * 1024 * 1024
+Buffer = bytes | bytearray | memoryview
+#: What ``put`` stores: one buffer, or buffers stored one after another.
+Data = Buffer | Sequence[Buffer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,33 +150,46 @@ class IntegrityError(StorageError):
 
 
 class Source:
-    """Bytes to publish, from memory or from a local file, read in ranges.
+    """Bytes to publish, from memory (one or more buffers) or from a local file.
 
-    Backends read it in pieces (parts, write chunks) without loading a file whole.
+    Backends read it in pieces (parts, write chunks) without loading a file whole or
+    joining buffers, except where one read spans two of them.
     """
 
-    def __init__(
-        self, data: bytes | bytearray | memoryview | None = None, path: Path | None = None
-    ):
+    def __init__(self, data: Data | None = None, path: Path | None = None):
         if (data is None) == (path is None):
             raise TypeError("give exactly one of data or path")
-        self._view = memoryview(data).cast("B") if data is not None else None
         self.path = path
-        self.size = len(self._view) if self._view is not None else os.stat(path).st_size  # type: ignore[arg-type]
+        self._views: list[memoryview] | None = None
+        if data is None:
+            self.size = os.stat(path).st_size  # type: ignore[arg-type]
+            return
+        buffers = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+        self._views = [memoryview(b).cast("B") for b in buffers]
+        self.size = sum(v.nbytes for v in self._views)
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         """Return up to ``length`` bytes starting at ``offset``."""
-        if self._view is not None:
-            return self._view[offset : offset + length]
-        assert self.path is not None
-        with open(self.path, "rb") as f:
-            return os.pread(f.fileno(), length, offset)
+        if self._views is None:
+            assert self.path is not None
+            with open(self.path, "rb") as f:
+                return os.pread(f.fileno(), length, offset)
+        pieces, start = [], 0
+        for view in self._views:
+            end = start + view.nbytes
+            if end > offset and start < offset + length:
+                pieces.append(view[max(offset - start, 0) : offset + length - start])
+            start = end
+        if len(pieces) == 1:
+            return pieces[0]
+        return b"".join(pieces)
 
     def chunks(self, size: int = CHUNK) -> Iterator[bytes | memoryview]:
         """Yield the whole content in pieces of at most ``size`` bytes."""
-        if self._view is not None:
-            for offset in range(0, self.size, size):
-                yield self._view[offset : offset + size]
+        if self._views is not None:
+            for view in self._views:
+                for offset in range(0, view.nbytes, size):
+                    yield view[offset : offset + size]
             return
         assert self.path is not None
         with open(self.path, "rb") as f:
@@ -197,8 +215,9 @@ class Storage(abc.ABC):
         """Full URI of ``key`` (``file:///...``, ``s3://bucket/...``). Raises InvalidKeyError."""
 
     @abc.abstractmethod
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
-        """Publish ``data`` under ``key`` atomically and durably.
+    async def put(self, key: str, data: Data) -> ObjectRef:
+        """Publish ``data`` (one buffer, or buffers one after another) under ``key``
+        atomically and durably. The buffers are not used after it returns.
 
         Raises AlreadyExistsError (create-only), InvalidKeyError, or StorageError; on any
         error no object exists under ``key``.
@@ -281,7 +300,7 @@ class ThreadedStorage(Storage):
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+    async def put(self, key: str, data: Data) -> ObjectRef:
         return await self._run(self._publish, key, Source(data=data))
 
     async def put_file(self, key: str, path: Path) -> ObjectRef:

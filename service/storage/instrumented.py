@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from service.storage.base import (
+    Data,
     ObjectPage,
     ObjectReader,
     ObjectRef,
@@ -82,7 +83,7 @@ class InstrumentedStorage(Storage):
     def presigned_url(self, key: str) -> str | None:
         return self.inner.presigned_url(key)
 
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+    async def put(self, key: str, data: Data) -> ObjectRef:
         async with self._observe("put") as counts:
             ref = await self.inner.put(key, data)
             counts["written"] = ref.size

@@ -28,6 +28,7 @@ from botocore.awsrequest import AWSResponse
 from service.config import StorageSettings
 from service.engine.introspect import HsxWorkerExtension
 from service.storage import (
+    Data,
     ObjectPage,
     ObjectReader,
     ObjectRef,
@@ -41,7 +42,7 @@ class FaultyStorage(Storage):
     def __init__(self, inner: Storage, delay_s: float) -> None:
         self.inner, self.delay_s, self.scheme = inner, delay_s, inner.scheme
 
-    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+    async def put(self, key: str, data: Data) -> ObjectRef:
         await asyncio.sleep(self.delay_s)
         namespace = key.split("/")[1]
         if namespace.startswith("fail") or (namespace.startswith("flaky") and _odd(data)):
@@ -79,10 +80,11 @@ class FaultyStorage(Storage):
         await self.inner.close()
 
 
-def _odd(data: bytes | bytearray | memoryview) -> bool:
+def _odd(data: Data) -> bool:
     from safetensors.torch import load
 
-    return load(bytes(data))["token_ids"].numel() % 2 == 1
+    whole = data if isinstance(data, bytes | bytearray | memoryview) else b"".join(data)
+    return load(bytes(whole))["token_ids"].numel() % 2 == 1
 
 
 def open_faulty_storage(settings: StorageSettings) -> Storage:

@@ -78,6 +78,24 @@ def test_cpu_copy_out_is_a_private_copy_of_the_slots() -> None:
     assert job.hidden_states.abs().sum() > 0  # shares nothing with the cache
 
 
+@pytest.mark.parametrize("layer_index", [None, [2, 0], [1]])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_cpu_copy_out_reads_the_requested_layers_of_any_cache_layout(
+    layer_index: list[int] | None, contiguous: bool
+) -> None:
+    states = cache("cpu")
+    if not contiguous:  # the same values in a cache vLLM laid out another way
+        states = states.transpose(1, 2).contiguous().transpose(1, 2)
+    half = worker(states)
+    pending = save([5, 0, 3], 11)
+    pending.layer_index = layer_index
+    job = half._copy_out(pending, nbytes=0)
+    want = expected(states, [5, 0, 3], 11)
+    if layer_index is not None:
+        want = want[:, layer_index]
+    assert torch.equal(job.hidden_states, want)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_copy_out_is_exact_and_times_the_copy() -> None:

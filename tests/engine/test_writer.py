@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import re
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -98,17 +101,19 @@ async def test_a_loss_mask_is_stored_and_its_tokens_counted(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize("namespace", ["team", "fail-here"])
-async def test_the_host_copy_is_released_once_encoded_before_the_put(
+async def test_the_host_copy_is_released_once_after_the_put_that_reads_it(
     rig: Rig, namespace: str
 ) -> None:
-    # The ceiling counts an object at its encoded size once encoded: a pinned buffer
-    # kept until the put is durable would be memory nothing counts.
+    # Storage writes a raw object straight from the host copy's memory (a pinned buffer
+    # on CUDA): giving the buffer back before the put would let the next copy-out
+    # overwrite bytes still being written.
     job = rig.job(states(), namespace=namespace)
     released: list[bool] = []
     job.release = lambda: released.append((rig.root / job.key).exists())
     completion = await rig.write(job)
-    assert released == [False]  # once, before the object existed
-    assert (completion.stored is None) == namespace.startswith("fail")
+    stored = completion.stored is not None
+    assert released == [stored]  # once; after the object was durable, when it was
+    assert stored != namespace.startswith("fail")
 
 
 def test_the_ceiling_holds_but_lets_one_large_object_through(tmp_path: Path) -> None:
@@ -188,3 +193,38 @@ async def test_close_drains_queued_writes(
     completions = await asyncio.wait_for(asyncio.gather(*waiters), 10)
     assert all(c.stored is not None for c in completions)
     assert completions[-1].bytes_in_flight == 0 or any(c.bytes_in_flight == 0 for c in completions)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs and Linux affinity",
+)
+def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path: Path) -> None:
+    # vLLM's CPU worker binds the forward pass's thread to one CPU before our connector
+    # starts the pool from it; the writer's threads must not all share that CPU.
+    forward = min(os.sched_getaffinity(0))
+    seen: dict[str, set[int]] = {}
+
+    def forward_thread() -> None:
+        os.sched_setaffinity(0, {forward})
+
+        async def run() -> None:
+            receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")
+            receiver.start()
+            rig = Rig(tmp_path / "objects", receiver)
+            done = await rig.write(rig.job(states()))
+            assert done.stored is not None
+            for thread in threading.enumerate():
+                if thread.name.startswith("hsx-") and thread.native_id is not None:
+                    seen[thread.name] = os.sched_getaffinity(thread.native_id)
+            await asyncio.to_thread(rig.pool.close)
+            await receiver.close()
+
+        asyncio.run(run())
+
+    worker = threading.Thread(target=forward_thread)
+    worker.start()
+    worker.join(60)
+    names = {re.sub(r"_\d+$", "", name) for name in seen}
+    assert {"hsx-writer", "hsx-encode", "hsx-local"} <= names
+    assert all(cpus and forward not in cpus for cpus in seen.values()), seen

@@ -6,6 +6,7 @@ threshold (where it has one) is below ``BIG``.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import hashlib
 import os
@@ -55,6 +56,23 @@ class StorageContract:
         assert ref.size == BIG
         assert await storage.get(key) == data
         assert (await storage.head(key)).sha256 == hashlib.sha256(data).hexdigest()
+
+    @pytest.mark.parametrize("size", [4096, BIG])
+    async def test_put_of_several_buffers_stores_them_in_order(
+        self, storage: Storage, size: int
+    ) -> None:
+        # A header, an empty piece, a big piece (parts of a multipart upload span the
+        # pieces' boundaries) and a typed memoryview, as the writer hands them over.
+        doubles = array.array("d", [float(i) for i in range(100)])
+        pieces = [b"header", b"", bytearray(payload(size, seed=5)), memoryview(doubles)]
+        whole = b"".join(bytes(p) for p in pieces)
+        key = fresh_key()
+        ref = await storage.put(key, pieces)
+        assert (ref.size, ref.sha256) == (len(whole), hashlib.sha256(whole).hexdigest())
+        assert await storage.get(key) == whole
+        assert (await storage.head(key)).sha256 == ref.sha256
+        pieces[2][:] = b"\0" * size  # the store kept no reference to the caller's buffers
+        assert await storage.get(key) == whole
 
     async def test_put_file_publishes_the_file(self, storage: Storage, tmp_path: Path) -> None:
         data = payload(BIG, seed=2)

@@ -142,12 +142,25 @@ class HsxConnectorWorker:
         return codecs.prepared_nbytes(codec, shape, self._cache.dtype)
 
     def _gather(self, blocks: Any, offsets: Any, index: Any) -> torch.Tensor:
-        """The states [tokens, layers, hidden] of these slots, as a new tensor."""
-        assert self._cache is not None
+        """The states [tokens, layers, hidden] of these slots, as a new tensor.
+
+        Only the requested layers are read. Each (token, layer) is ``hidden`` values in
+        a row of the cache, so a contiguous cache is read with one ``index_select``
+        over its rows: a copy per row, several times faster than advanced indexing over
+        three dimensions, and it runs on the forward pass's thread (docs/profile.md).
+        """
+        cache = self._cache
+        assert cache is not None
+        if not cache.is_contiguous():
+            if index is None:
+                return cache[blocks, :, offsets]
+            return cache[blocks[:, None], index[None, :], offsets[:, None]]
+        _, num_layers, block_size, hidden = cache.shape
         if index is None:
-            return self._cache[blocks, :, offsets]
-        # Only the requested layers are read: fewer bytes copied, not sliced after.
-        return self._cache[blocks[:, None], index[None, :], offsets[:, None]]
+            index = torch.arange(num_layers, device=cache.device)
+        rows = (blocks[:, None] * num_layers + index[None, :]) * block_size + offsets[:, None]
+        picked = cache.view(-1, hidden).index_select(0, rows.reshape(-1))
+        return picked.view(len(blocks), len(index), hidden)
 
     def _fail(self, save: PendingSave, nbytes: int, failure: WriteFailure) -> None:
         assert self._writer is not None
