@@ -36,6 +36,7 @@ zstd, safetensors). ``encode`` is both; ``decode`` reads any codec back.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
