@@ -51,3 +51,29 @@ async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None)
     ceiling, margin = engine_bench.QUICK.in_flight_mib, engine_bench.RSS_MARGIN_MIB
     assert rss.baseline == f"{ceiling} + {margin} MiB"
     assert rss.ratio == pytest.approx(int(rss.ours.split()[0]) / (ceiling + margin), abs=0.01)
+
+
+@pytest.mark.parametrize("name", ["api_bench", "codec_bench", "dataset_bench", "copy_bench"])
+async def test_quick_bench_gives_well_formed_rows(name: str, tmp_path: Path, aws_env: None) -> None:
+    """Every other bench of ``make bench`` in its quick mode: rows, not speed."""
+    import importlib
+
+    bench = importlib.import_module(f"benchmarks.{name}")
+    rows = await bench.run(tmp_path, timed, quick=True)
+    assert rows, name
+    for row in rows:
+        assert all((row.name, row.ours, row.baseline, row.target)), row
+        assert math.isfinite(row.ratio), row
+        assert row.ratio >= 0, row
+
+
+async def test_storage_and_validation_benches_give_well_formed_rows(
+    tmp_path: Path, aws_env: None
+) -> None:
+    from benchmarks import storage_bench, validation_bench
+
+    rows = await storage_bench.run(tmp_path, timed) + await validation_bench.run(tmp_path, timed)
+    assert len(rows) == 3
+    for row in rows:
+        assert math.isfinite(row.ratio), row
+        assert row.ratio > 0, row
