@@ -2,7 +2,8 @@
 
 One engine at a time serves a small random-weight Llama (hidden 512, so fp8's float32
 scale per row weighs what it would on a real model: 4 bytes per 512 values). The same
-prompts go through every codec in interleaved rounds, so drift hits all alike. Encoding
+prompts go through every codec, each batch paired with a ``raw`` batch next to it, so
+drift in the machine's load hits both alike. Encoding
 runs in the worker's writer threads; its CPU cost is measured here on the same states,
 one thread, as the writer runs it.
 """
@@ -39,7 +40,9 @@ NOTES = """- **codecs, bytes per token**: the mean stored object size per prompt
   the model-dtype states those prompts produced, against `raw` (a safetensors write);
   the median of 5 passes over all states, codecs interleaved. `lossless` costs a shift
   per byte plane (numpy), zstd on the exponent plane (strategy fast, a 64-entry hash
-  table, 7-byte matches: Huffman coding does the work) and the safetensors write.
+  table, 7-byte matches: Huffman coding does the work; layer-major, a zstd block per
+  layer, so each layer's exponents get their own Huffman table) and the safetensors
+  write.
 - Random-weight models' activations compress differently from trained ones: their
   states are close to Gaussian, while trained models have massive outlier channels and
   scales that differ by layer, which change both the exponent plane's entropy (so
