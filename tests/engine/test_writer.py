@@ -204,6 +204,9 @@ def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path
     # starts the pool from it; the writer's threads must not all share that CPU.
     forward = min(os.sched_getaffinity(0))
     seen: dict[str, set[int]] = {}
+    # Only this pool's threads: a full run has other tests' storage threads alive,
+    # started from unbound threads, and bound to every CPU.
+    before = set(threading.enumerate())  # Thread objects: idents are reused
 
     def forward_thread() -> None:
         os.sched_setaffinity(0, {forward})
@@ -215,7 +218,9 @@ def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path
             done = await rig.write(rig.job(states()))
             assert done.stored is not None
             for thread in threading.enumerate():
-                if thread.name.startswith("hsx-") and thread.native_id is not None:
+                if thread in before or thread.native_id is None:
+                    continue
+                if thread.name.startswith("hsx-"):
                     seen[thread.name] = os.sched_getaffinity(thread.native_id)
             await asyncio.to_thread(rig.pool.close)
             await receiver.close()
