@@ -35,7 +35,7 @@ class Side:
 
 
 async def rounds(sides: dict[str, Side], prompts: Prompts, count: int, timer: Timer) -> Medians:
-    """Median seconds per side over ``rounds`` rounds, the order rotating each round
+    """Median seconds per side over ``count`` rounds, the order rotating each round
     (after every side ran the first prompts once, untimed)."""
     for side in sides.values():
         await side.run(prompts[:WARM_PROMPTS])

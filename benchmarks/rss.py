@@ -1,6 +1,6 @@
 """Resident memory of this process's children (vLLM's EngineCore and its workers).
 
-A thread samples the sum of their RSS every few milliseconds; the peak is what a
+A thread samples the sum of their RSS (every 50 ms by default); the peak is what a
 container's memory limit would see. The bench process itself is left out: it holds the
 client side and, in the S3 runs, moto's server threads.
 """
