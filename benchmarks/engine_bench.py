@@ -140,13 +140,15 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   ceiling (`limits.max_bytes_in_flight`, lowered from 1 GiB to {FULL.in_flight_mib} MiB
   in full mode, half of one round's {_round_mib(FULL)} MiB of {FULL.sets[1][0]}-token
   states, so that it binds) plus a fixed {RSS_MARGIN_MIB} MiB for the writer's threads
-  and buffers. Target: growth at most that bound. What can break it is the allocator,
-  not the ceiling: after a large block is freed, glibc raises its mmap threshold (up to
-  32 MiB), so later host copies and encoded objects come from per-thread arenas that
-  keep freed memory resident. Measured once while working on issue 13 (full model,
-  2 rounds per length, worker only): 309 MiB peak growth and 121 MiB still resident
-  after the rounds with glibc's defaults; 151 MiB and 1 MiB with
-  `MALLOC_MMAP_THRESHOLD_=1048576` in the engine's environment.
+  and buffers. Target: growth at most that bound. What broke it before was the
+  allocator, not the ceiling: after a large block is freed, glibc raises its mmap
+  threshold (up to 32 MiB), so later host copies and encoded objects came from
+  per-thread arenas that keep freed memory resident. Measured while working on issue
+  13 (full model, 2 rounds per length, worker only): 309 MiB peak growth and 121 MiB
+  still resident after the rounds with glibc's defaults; 151 MiB and 1 MiB with the
+  threshold fixed at 1 MiB, which the worker now does for itself
+  (`service/engine/allocator.py`). The full bench's first run, before that fix, gave
+  502 MiB against a bound of 384 MiB.
 """
 
 

@@ -147,6 +147,23 @@ def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
     assert "no API keys configured" in (tmp_path / "serve.log").read_text()
 
 
+def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path) -> None:
+    # SIGKILL, as an OOM kill or a drain past its grace period would: no handler runs,
+    # so only the engine's own watch on its parent can end the EngineCore and worker.
+    import psutil
+
+    with serving(tmp_path, {}) as (proc, _url):
+        engine = psutil.Process(proc.pid).children(recursive=True)
+        assert any("EngineCore" in " ".join(child.cmdline()) for child in engine)
+        proc.kill()
+        proc.wait(30)
+        _gone, alive = psutil.wait_procs(engine, timeout=30)
+    for child in alive:  # do not leave them behind even when the test fails
+        child.kill()
+    assert not alive, [child.cmdline() for child in alive]
+    assert "the process that started this engine is gone" in (tmp_path / "serve.log").read_text()
+
+
 def test_signal_marks_the_app_draining_before_uvicorn_stops() -> None:
     import uvicorn
 

@@ -83,6 +83,11 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             layer_ids = list(spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids)
             dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
             self._scheduler = HsxConnectorScheduler(group, config.model_name, layer_ids, dtype)
+            # The scheduler half lives in the EngineCore: the one process vLLM leaves
+            # running when the server is killed outright.
+            from service.engine.lifeline import exit_with_parent
+
+            exit_with_parent()
         else:
             from service.engine.connector.worker import HsxConnectorWorker
 

@@ -87,6 +87,9 @@ class HsxConnectorWorker:
             cpu_mamba.install()  # every rank: each runs its own Mamba layers
         if get_tensor_model_parallel_rank() != 0:
             return
+        from service.engine.allocator import fix_mmap_threshold
+
+        fix_mmap_threshold()  # freed objects leave RSS at once: see allocator.py
         config = self._config
         self._writer = WriterPool(
             config.storage,
