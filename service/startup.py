@@ -216,7 +216,9 @@ _KV_TOO_SMALL = re.compile(
 )
 _KV_OVER_NODE = re.compile(
     r"Available memory on node (\d+) \(" + _GIB + "/" + _GIB + r" GiB\) on kv cache "
-    r"allocation is less than requested memory for kv \(" + _GIB + r" GiB\)"
+    # vLLM words it two ways: "(4.0 GiB)" when the size was given, "(4.0/11.78 GiB)"
+    # when it came from the utilisation; the first number is the KV cache's either way.
+    r"allocation is less than requested memory for kv \(" + _GIB + r"(?:/[\d.]+)? GiB\)"
 )
 _UTILISATION = re.compile(
     r"Available memory on node (\d+) \(" + _GIB + "/" + _GIB + r" GiB\) on startup is less "

@@ -66,6 +66,17 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert commands == [two_commands()["run the tests"]]
 
 
+def test_make_serve_adds_no_settings_of_its_own() -> None:
+    # The fresh-clone test runs `make serve` without HSX_ or VLLM_ variables; a setting
+    # put into the Makefile instead would pass it while `hsx serve`, as the README's
+    # configuration section shows it, still failed. The recipe is the bare command.
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^serve:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert recipe, "no serve target in the Makefile"
+    assert recipe.group(1) == "\t$(VENV)/bin/hsx serve\n"
+    assert not re.search(r"^\s*export\b|\b(?:HSX|VLLM)_\w*\s*[:?]?=", makefile, re.MULTILINE)
+
+
 def test_readme_example_names_the_demo_model() -> None:
     commands = two_commands()
     assert commands["start the service"] == "make serve"

@@ -230,6 +230,42 @@ def test_engine_messages_become_the_setting_to_change() -> None:
     assert "too small for a single block" in nothing.line
 
 
+@pytest.mark.parametrize(
+    ("vllm_message", "line"),
+    [
+        (  # the CPU worker's start-up check, as issue 10 met it on a fresh clone
+            "Available memory on node 0 (11.76/13.09 GiB) on startup is less than desired "
+            "CPU memory utilization (0.9, 11.78 GiB). On the CPU backend, the "
+            "`--gpu-memory-utilization` flag controls the fraction of CPU memory reserved",
+            "hsx: error: engine.gpu_memory_utilization (HSX_ENGINE__GPU_MEMORY_UTILIZATION): "
+            "vLLM wants 0.9 of NUMA node 0 (11.78 GiB) free at start, only 11.76 of 13.09 GiB "
+            "is; unset it to get a fixed KV cache, or set HSX_ENGINE__CPU_KVCACHE_SPACE_GIB",
+        ),
+        (  # an explicit KV cache larger than the node's free memory
+            "Available memory on node 1 (3.5/13.09 GiB) on kv cache allocation is less than "
+            "requested memory for kv (8.0 GiB). Decrease --kv-cache-memory-bytes",
+            "hsx: error: engine.cpu_kvcache_space_gib (HSX_ENGINE__CPU_KVCACHE_SPACE_GIB): a "
+            "KV cache of 8.0 GiB does not fit in the 3.5 GiB free on NUMA node 1 (of 13.09 "
+            "GiB); lower it, or free memory on that node",
+        ),
+        (  # the same, when the size came from the utilisation
+            "Available memory on node 0 (2.0/13.09 GiB) on kv cache allocation is less than "
+            "requested memory for kv (4.0/11.78 GiB). Reduce CPU memory used by other processes.",
+            "hsx: error: engine.cpu_kvcache_space_gib (HSX_ENGINE__CPU_KVCACHE_SPACE_GIB): a "
+            "KV cache of 4.0 GiB does not fit in the 2.0 GiB free on NUMA node 0 (of 13.09 "
+            "GiB); lower it, or free memory on that node",
+        ),
+    ],
+)
+def test_cpu_memory_errors_name_the_setting(vllm_message: str, line: str) -> None:
+    from service.startup import from_engine
+
+    died = RuntimeError("Engine core initialization failed. See root cause above.")
+    error = from_engine(died, f"(EngineCore pid=1) ValueError: {vllm_message}", on_cpu=True)
+    assert error.exit_code == 1
+    assert error.line == line
+
+
 def test_an_unforeseen_engine_error_still_names_what_it_can() -> None:
     from service.startup import from_engine
 

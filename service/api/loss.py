@@ -1,17 +1,23 @@
-"""Per-prompt loss masks for ``/extract`` (``loss`` on the request), as supervised ranges.
+"""Per-prompt loss masks (``loss`` on ``/extract``, or in a chat request's extra body), as
+supervised ranges.
 
 The ranges travel with the engine request and become the object's ``loss_mask``. They are
 computed from the same render as the prompt's token ids (``service.masks``); a prompt
-whose mask cannot be trusted is refused with a 422 naming it and the reason.
+whose mask cannot be trusted is refused (422 on ``/extract``, 400 in the OpenAI dialect)
+naming it and the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from service.api.errors import ApiError
+from service.api.openai_protocol import as_mapping
 from service.api.schemas import ExtractRequest
-from service.masks import MaskError, Span, compute
+from service.masks import LossMode, MaskError, Span, compute
 
 PromptSpans = tuple[Span, ...] | None
 
@@ -64,3 +70,60 @@ def _prompt_spans(
 def _refuse(index: int, name: str, reason: str) -> ApiError:
     field = f"prompts[{index}]" if name == "prompts" else f"prompts[{index}].{name}"
     return ApiError(422, "invalid_request", f"{field}: {reason}", field=field, index=index)
+
+
+def chat_spans(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    loss: LossMode,
+    rendered: list[int],
+) -> tuple[Span, ...]:
+    """Supervised ranges of a chat request that vLLM's renderer made ``rendered`` of.
+
+    The mask comes from ``service.masks`` renders of the same messages and tools; they
+    must give ``rendered``, or a prefix of it when vLLM also opened the next assistant
+    turn (``add_generation_prompt`` after a final assistant message: those tokens stay
+    unsupervised). Anything else (a request ``chat_template``, template kwargs,
+    ``continue_final_message``) would misalign the mask, so it raises MaskError.
+    """
+    plain = [_plain_message(as_mapping(m)) for m in messages]
+    masked = compute(tokenizer, plain, loss, tools=tools)
+    if rendered[: len(masked.token_ids)] != masked.token_ids:
+        raise MaskError(
+            "the request renders differently from its conversation under the model's own "
+            "chat template (a request chat_template, chat_template_kwargs or "
+            "continue_final_message?); no mask can be aligned with its tokens"
+        )
+    return masked.spans
+
+
+def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI message as chat templates take it, the way vLLM's renderer passes it on:
+    text parts joined with newlines, tool-call arguments parsed from their JSON."""
+    plain = dict(message)
+    content = plain.get("content")
+    if isinstance(content, list):
+        plain["content"] = "\n".join(
+            str(part.get("text", ""))
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        )
+    if plain.get("tool_calls"):
+        plain["tool_calls"] = [
+            _plain_tool_call(call) if isinstance(call, dict) else call
+            for call in plain["tool_calls"]
+        ]
+    return plain
+
+
+def _plain_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    plain = dict(call)
+    function = dict(plain.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        # Left as sent when not JSON: the alignment check catches a template that differs.
+        with contextlib.suppress(ValueError):
+            function["arguments"] = json.loads(arguments)
+    plain["function"] = function
+    return plain

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.errors import ApiError
 from service.codecs import Codec
+from service.masks import LossMode
 
 
 class OpenAIError(Exception):
@@ -200,10 +201,12 @@ class HsxExtras(BaseModel):
 
     codec: Codec | None = None
     layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    # As on /extract; ``assistant`` and ``last_turn`` need a chat request.
+    loss: LossMode = "none"
 
 
 def hsx_extras(body: Any) -> HsxExtras:
-    """The ``codec`` and ``layers`` a client sent; 400 naming the field if mistyped."""
+    """The ``codec``, ``layers`` and ``loss`` a client sent; 400 naming the field if mistyped."""
     try:
         return HsxExtras.model_validate(body.model_extra or {})
     except ValidationError as exc:
@@ -212,6 +215,49 @@ def hsx_extras(body: Any) -> HsxExtras:
         param = str(loc[0]) + "".join(f"[{p}]" for p in loc[1:] if isinstance(p, int))
         message = f"{param}: {first['msg']}"
         raise OpenAIError(400, message, param=param) from None
+
+
+def text_sizes(body: Any) -> list[tuple[str, int]]:
+    """UTF-8 bytes of text each prompt of a completion or chat request carries, with its
+    field: what vLLM's renderer would tokenise (``check_text_sizes`` bounds it).
+
+    A chat request counts its messages' text (contents, text parts, tool-call
+    arguments): every template that renders a message writes them, so the rendered
+    prompt is at least that long.
+    """
+    messages = getattr(body, "messages", None)
+    if messages is not None:
+        return [("messages", sum(_message_bytes(m) for m in messages))]
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [("prompt", len(prompt.encode()))]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return [(f"prompt[{i}]", len(str(p).encode())) for i, p in enumerate(prompt)]
+    return []  # token ids: their count is checked, not their text
+
+
+def as_mapping(message: Any) -> dict[str, Any]:
+    """A chat message as a plain dict: vLLM's request model admits TypedDicts and
+    pydantic messages (``openai_harmony``'s among them)."""
+    if isinstance(message, dict):
+        return message
+    dump = getattr(message, "model_dump", None)
+    return dict(dump()) if callable(dump) else {}
+
+
+def _message_bytes(message: Any) -> int:
+    message = as_mapping(message)
+    content = message.get("content")
+    if isinstance(content, str):
+        size = len(content.encode())
+    elif isinstance(content, list):
+        size = sum(len(str(p.get("text", "")).encode()) for p in content if isinstance(p, dict))
+    else:
+        size = 0
+    for call in message.get("tool_calls") or ():
+        arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else ""
+        size += len(arguments.encode()) if isinstance(arguments, str) else 0
+    return size
 
 
 def requested_max_tokens(body: Any, *names: str) -> int:
@@ -248,6 +294,7 @@ def transfer_params(extraction: Any) -> dict[str, Any]:
         "bytes": extraction.size,
         "sha256": extraction.sha256,
         "codec": extraction.codec,
+        "num_loss_tokens": extraction.num_loss_tokens,
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from service.api.errors import ApiError
@@ -46,17 +47,39 @@ def check_prompt_sizes(
     request: ExtractRequest, *, token_bytes: int, max_model_len: int, limits: LimitsSettings
 ) -> None:
     """Refuse text and chat prompts whose size alone shows they cannot fit (422)."""
-    per_prompt = max_model_len - request.max_tokens
+    sizes = [(_field(p, i), _text_bytes(p)) for i, p in enumerate(request.prompts)]
+    check_text_sizes(
+        sizes,
+        max_tokens=request.max_tokens,
+        token_bytes=token_bytes,
+        max_model_len=max_model_len,
+        limits=limits,
+    )
+
+
+def check_text_sizes(
+    sizes: Sequence[tuple[str, int]],
+    *,
+    max_tokens: int,
+    token_bytes: int,
+    max_model_len: int,
+    limits: LimitsSettings,
+) -> None:
+    """Refuse prompts whose text, ``(field, UTF-8 bytes)`` each, cannot fit (422).
+
+    Shared by ``/extract`` and the OpenAI routes, whose renderer would otherwise
+    tokenise whatever text a client sends.
+    """
+    per_prompt = max_model_len - max_tokens
     if token_bytes <= 0 or per_prompt < 1:
         return  # no tokenizer (text is refused later) or no room (tokenize_all says so)
     total = 0
-    for index, prompt in enumerate(request.prompts):
-        size = _text_bytes(prompt)
+    for index, (field, size) in enumerate(sizes):
         if size > per_prompt * token_bytes:
             raise _limit(
-                _field(prompt, index),
+                field,
                 f"{size} bytes of text cannot fit in {per_prompt} tokens (max_model_len "
-                f"{max_model_len} minus max_tokens {request.max_tokens}; no token of this "
+                f"{max_model_len} minus max_tokens {max_tokens}; no token of this "
                 f"model is longer than {token_bytes} bytes)",
                 index=index,
             )

@@ -5,7 +5,7 @@ many threads. glibc serves a large block with ``mmap`` and returns it to the sys
 ``free``, but each such free also raises its mmap threshold to the freed size (up to
 32 MiB). After the first few objects, every later one comes from a per-thread arena,
 whose freed memory mostly stays resident: the worker's RSS grew by about 500 MiB
-against an in-flight ceiling of 128 MiB (``make bench``'s RSS row, issue 13). Fixing
+against an in-flight ceiling of 128 MiB (``make bench``'s RSS row). Fixing
 the threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``, which also turns off the
 dynamic adjustment) keeps every object-sized block on ``mmap``, so what is freed goes
 back at once; the price, one ``mmap``/``munmap`` pair per megabyte-sized block, is small

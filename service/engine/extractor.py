@@ -249,6 +249,8 @@ def _extraction(
             raise InvalidStatesError(failure.message, failure.reason or "")
         if failure.type == "storage_error":
             raise StorageWriteError(failure.message)
+        if failure.type == "invalid_request":
+            raise InvalidPromptError(failure.message)
         raise ExtractionError(failure.message)
     assert completion.stored is not None
     return Extraction(

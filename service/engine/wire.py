@@ -127,7 +127,7 @@ class StoredObject(_Message):
     """Validating, serialising and writing the object."""
 
 
-FailureType = Literal["storage_error", "invalid_hidden_states", "internal_error"]
+FailureType = Literal["storage_error", "invalid_hidden_states", "invalid_request", "internal_error"]
 
 
 class WriteFailure(_Message):

@@ -24,13 +24,25 @@ from service import codecs
 from service.api.app import create_app
 from service.api.auth import ApiKeys
 from service.config import Settings
-from service.engine.errors import EngineUnavailableError, InvalidPromptError, StorageWriteError
+from service.engine.errors import (
+    EngineUnavailableError,
+    InvalidPromptError,
+    InvalidStatesError,
+    StorageWriteError,
+)
 from service.engine.wire import Extraction
 from service.metrics import ExtractorMetrics
+from service.storage.base import AlreadyExistsError
 from service.storage.keys import new_object_key
 from service.storage.local import LocalStorage
 
-__all__ = ["EngineUnavailableError", "FakeExtractor", "InvalidPromptError", "StorageWriteError"]
+__all__ = [
+    "EngineUnavailableError",
+    "FakeExtractor",
+    "InvalidPromptError",
+    "InvalidStatesError",
+    "StorageWriteError",
+]
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,8 @@ class FakeExtractor:
         fault = self.faults.get(len(ids))
         if fault is InvalidPromptError:  # vLLM's words: about the prompt only
             raise fault(f"the prompt ({len(ids)} tokens) is longer than the model allows")
+        if fault is InvalidStatesError:  # the writer's check: nothing was stored
+            raise fault(f"layer 2 of prompt ({len(ids)} tokens) is all zeros", "all_zero_layer")
         if fault is not None:  # a storage error's detail names paths, buckets, endpoints
             raise fault(f"injected failure for {self.storage.root}/{namespace}")
         states = np.zeros((len(ids), len(self.layer_ids), self.info.hidden_size), np.float32)
@@ -110,7 +124,10 @@ class FakeExtractor:
             {"hidden_states": states, "token_ids": np.asarray(ids, np.int64)},
             metadata={"model": self.info.name, **dict(metadata or {})},
         )
-        ref = await self.storage.put(key or new_object_key("hsx", namespace), data)
+        try:
+            ref = await self.storage.put(key or new_object_key("hsx", namespace), data)
+        except AlreadyExistsError as exc:  # as the real writer reports a lost create-only race
+            raise StorageWriteError(f"object exists: {exc}") from exc
         self.written.append(ref.key)
         return Extraction(
             key=ref.key,

@@ -20,6 +20,7 @@ from tests.api.conftest import AUTH_A, AUTH_FLAKY, KEYS, ServerThread, fast_sett
 from tests.api.fake import (
     EngineUnavailableError,
     InvalidPromptError,
+    InvalidStatesError,
     StorageWriteError,
     list_objects,
     serving_in_process,
@@ -63,6 +64,8 @@ FAILURE_TABLE = [
     ({5: EngineUnavailableError, 6: StorageWriteError}, 503, "engine_unavailable"),
     ({5: InvalidPromptError}, 422, "invalid_request"),
     ({5: InvalidPromptError, 6: StorageWriteError}, 502, "storage_error"),
+    ({5: InvalidStatesError}, 500, "invalid_hidden_states"),
+    ({5: InvalidStatesError, 6: InvalidPromptError}, 500, "invalid_hidden_states"),
     ({5: RuntimeError}, 500, "internal_error"),
 ]
 

@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load
 
 from tests.api.conftest import AUTH_A, ServerThread, objects_under
+from tests.api.openai_helpers import served_name
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -109,5 +110,80 @@ def test_refused_masks_name_the_prompt(
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert (error["field"], error["index"]) == (field, 1)
+    assert reason in error["message"]
+    assert objects_under(root, "team-a") == before  # nothing ran, nothing stored
+
+
+# --- the same field on vLLM's OpenAI routes (extra body, as OpenAI's clients send it) ---
+
+
+def chat(client: httpx.Client, engine: ServerThread, **fields: Any) -> httpx.Response:
+    body = {"model": served_name(engine), "messages": CHAT, "max_tokens": 1, **fields}
+    return client.post("/v1/chat/completions", json=body, headers=AUTH_A)
+
+
+def test_chat_completions_store_the_mask_extract_stores(
+    client: httpx.Client, local_engine: ServerThread
+) -> None:
+    tokenizer = local_engine.extractor.tokenizer
+    for loss, expected in [
+        ("assistant", ["jumps over the lazy dog.\n", "Hidden states.\n"]),
+        ("last_turn", ["Hidden states.\n"]),
+    ]:
+        # vLLM's default add_generation_prompt opens a new assistant turn after the
+        # conversation: those tokens are stored, never supervised.
+        opened = chat(client, local_engine, loss=loss, return_token_ids=True)
+        assert opened.status_code == 200, opened.text
+        params = opened.json()["choices"][0]["kv_transfer_params"]
+        tensors = stored(client, {"key": params["key"]})
+        assert tensors["token_ids"].tolist() == opened.json()["prompt_token_ids"]
+        assert supervised_text(tokenizer, tensors) == expected
+        assert params["num_loss_tokens"] == int(tensors["loss_mask"].sum())
+        assert tokenizer.decode(tensors["token_ids"][-1:].tolist()) == "<|assistant|>"
+        assert tensors["loss_mask"][-1] == 0
+        # Without it, the tokens and the mask are exactly /extract's.
+        closed = chat(client, local_engine, loss=loss, add_generation_prompt=False)
+        assert closed.status_code == 200, closed.text
+        mine = stored(client, {"key": closed.json()["kv_transfer_params"]["key"]})
+        body = {"prompts": [{"messages": CHAT}], "loss": loss}
+        theirs = stored(
+            client, client.post("/extract", json=body, headers=AUTH_A).json()["objects"][0]
+        )
+        assert mine["token_ids"].tolist() == theirs["token_ids"].tolist()
+        assert mine["loss_mask"].tolist() == theirs["loss_mask"].tolist()
+    none = chat(client, local_engine)
+    assert none.json()["choices"][0]["kv_transfer_params"]["num_loss_tokens"] is None
+    assert "loss_mask" not in stored(client, {"key": none.json()["kv_transfer_params"]["key"]})
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "reason"),
+    [
+        ("/v1/chat/completions", {"loss": "every"}, "loss"),
+        (
+            "/v1/chat/completions",
+            {"loss": "assistant", "messages": CHAT[:2]},
+            "supervises no token",
+        ),
+        (  # the final assistant turn left open: not the conversation the mask is made for
+            "/v1/chat/completions",
+            {"loss": "assistant", "add_generation_prompt": False, "continue_final_message": True},
+            "renders differently",
+        ),
+        ("/v1/completions", {"loss": "last_turn", "prompt": "hello"}, "needs a chat request"),
+    ],
+)
+def test_openai_routes_refuse_a_mask_they_cannot_trust(
+    client: httpx.Client, local_engine: ServerThread, path: str, fields: dict[str, Any], reason: str
+) -> None:
+    root = local_engine.root  # type: ignore[attr-defined]
+    before = objects_under(root, "team-a")
+    body = {"model": served_name(local_engine), "messages": CHAT, "max_tokens": 1, **fields}
+    if path == "/v1/completions":
+        del body["messages"]
+    response = client.post(path, json=body, headers=AUTH_A)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "loss"
     assert reason in error["message"]
     assert objects_under(root, "team-a") == before  # nothing ran, nothing stored

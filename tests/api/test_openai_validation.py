@@ -17,6 +17,7 @@ IDS = [5, 6, 7]
 CHAT = [{"role": "user", "content": "The quick brown fox?"}]
 CMPL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
+BIG = "hello world " * 4_000  # 48 kB: under the body limit, over 512 tokens of 34 bytes
 
 # (name, path, body, status, param): param None where vLLM's own check names no field.
 CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
@@ -86,6 +87,17 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
     ("completion render type", "/v1/completions/render", {"prompt": {"a": 1}}, 400, "prompt"),
     ("tokenize unknown model", "/tokenize", {"prompt": "a", "model": "x"}, 404, "model"),
     ("detokenize negative", "/detokenize", {"tokens": [1, -1]}, 400, "tokens[1]"),
+    # Text too long to fit is refused from its size, before vLLM's renderer tokenises it.
+    ("text cannot fit", CMPL, {"prompt": BIG}, 400, "prompt"),
+    ("one text cannot fit", CMPL, {"prompt": ["hi", BIG]}, 400, "prompt[1]"),
+    ("chat text cannot fit", CHAT_URL, {"messages": [{"role": "user", "content": BIG}]},
+     400, "messages"),
+    ("chat parts cannot fit", CHAT_URL,
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": BIG}]}]}, 400, "messages"),
+    ("render text cannot fit", "/v1/chat/completions/render",
+     {"messages": [{"role": "user", "content": BIG}]}, 400, "messages"),
+    ("completion render text cannot fit", "/v1/completions/render", {"prompt": BIG}, 400, "prompt"),
+    ("tokenize text cannot fit", "/tokenize", {"prompt": BIG}, 400, "prompt"),
 ]  # fmt: skip
 
 

@@ -4,6 +4,7 @@ only when none is left."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -77,3 +78,36 @@ async def test_errors_reach_every_caller() -> None:
         *(flights.run("k", work) for _ in range(3)), return_exceptions=True
     )
     assert all(isinstance(r, RuntimeError) for r in results)
+
+
+async def test_a_replica_that_loses_the_create_only_race_returns_the_winners_object(
+    app_client: Any, fake: Any
+) -> None:
+    # Replicas share the store, not their single-flight: both miss the lookup, both run
+    # the engine, and the write decides. The loser's put finds the key taken (the real
+    # writer reports that as a storage error); it must answer with the stored object.
+    from tests.api.conftest import AUTH_A
+
+    body = {"prompts": [{"token_ids": [5, 6, 7, 8, 9], "custom_id": "race"}]}
+    first = (await app_client.post("/extract", json=body, headers=AUTH_A)).json()["objects"][0]
+    path = fake.storage.root / first["key"]
+    winner = path.read_bytes()
+    path.unlink()  # as if never written: the next request misses its lookup
+    fake.held.add(5)
+    request = asyncio.ensure_future(app_client.post("/extract", json=body, headers=AUTH_A))
+    while not fake.waiting:  # past its lookup, in the "engine"
+        await asyncio.sleep(0.01)
+    path.write_bytes(winner)  # the other replica's object lands first
+    submitted = fake.submitted
+    fake.gate.set()
+    response = await request
+    assert response.status_code == 200, response.text
+    obj = response.json()["objects"][0]
+    assert obj["status"] == "found"
+    assert (obj["key"], obj["sha256"], obj["bytes"]) == (
+        first["key"],
+        first["sha256"],
+        first["bytes"],
+    )
+    assert fake.submitted == submitted  # it ran once, and lost the write
+    assert path.read_bytes() == winner

@@ -93,3 +93,24 @@ def test_loss_spans_past_the_prompt_fail_the_prompt() -> None:
     (save,) = half.build_connector_meta().saves
     assert save.failure is not None
     assert "past the prompt's 3 tokens" in save.failure
+
+
+def test_a_mask_left_with_no_supervised_token_fails_the_prompt_as_invalid() -> None:
+    # The API allows a prompt without supervised tokens when generated ones would count;
+    # if generation stopped after one token (which never has states), the object would
+    # carry an all-zero mask: the save fails instead, as the prompt's error.
+    half = scheduler()
+    params = RequestParams(key=KEY, include_output_tokens=True, loss_spans=())
+    stopped = request(params.to_extra_args())
+    stopped.all_token_ids = [5, 6, 7, 8]  # one generated token: the stored ids are the prompt
+    assert half.request_finished_all_groups(stopped, ([1], [7]))[0]
+    (save,) = half.build_connector_meta().saves
+    assert save.failure_type == "invalid_request"
+    assert save.failure is not None
+    assert "no token is supervised" in save.failure
+    assert "stopped after 1 token(s)" in save.failure
+    # Two generated tokens: the first has states and is supervised, so it is stored.
+    params = RequestParams(key=KEY, include_output_tokens=True, loss_spans=())
+    assert half.request_finished_all_groups(request(params.to_extra_args()), ([1], [7]))[0]
+    (save,) = half.build_connector_meta().saves
+    assert (save.failure, save.loss_spans) == (None, [(3, 4)])

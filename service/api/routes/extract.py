@@ -66,17 +66,22 @@ async def extract(
 
 
 async def execute(
-    body: ExtractRequest, request: Request, state: ApiState, namespace: str
+    body: ExtractRequest,
+    request: Request,
+    state: ApiState,
+    namespace: str,
+    spans: list[PromptSpans] | None = None,
 ) -> list[Any]:
     """Admit ``body`` and run its prompts: an outcome per prompt (Extraction or error).
 
     Limits, admission, deadline, disconnect and metrics, shared by every route that
-    extracts (``/extract`` and the OpenAI routes).
+    extracts (``/extract`` and the OpenAI routes). ``spans``: loss masks the caller
+    already derived (the OpenAI routes, from vLLM's render); else from ``body.loss``.
     """
     assert state.metrics is not None
     started = time.monotonic()
     deadline = started + state.settings.limits.request_timeout_s
-    token_ids, spans = await admit(state, body, deadline)
+    token_ids, spans = await admit(state, body, deadline, spans)
     try:
         work = run_prompts(state, body, token_ids, namespace, spans)
         outcomes = await guard(request, work, deadline, state.settings.limits.request_timeout_s)
@@ -94,7 +99,7 @@ async def execute(
 
 
 async def admit(
-    state: ApiState, body: ExtractRequest, deadline: float
+    state: ApiState, body: ExtractRequest, deadline: float, spans: list[PromptSpans] | None = None
 ) -> tuple[list[list[int]], list[PromptSpans]]:
     """Checks before the engine: limits, serving state, token ids, masks, queue room."""
     assert state.metrics is not None
@@ -103,7 +108,8 @@ async def admit(
         ensure_serving(state)
         check_codec_params(state.extractor, body.codec, body.layers)
         token_ids: list[list[int]] = await prompt_token_ids(state, body, deadline)
-        spans = await prompt_loss_spans(state, body, token_ids)
+        if spans is None:
+            spans = await prompt_loss_spans(state, body, token_ids)
         if not state.admission.try_admit(len(token_ids)):
             raise ApiError(
                 429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}

@@ -6,16 +6,21 @@ Requests parse with vLLM's protocol models and render with vLLM's renderer
 every object is durable. Each choice carries ``kv_transfer_params`` naming its object
 (``hidden_states_path``, ``handle``), as vLLM's ``extract_hidden_states`` connector
 reports them, plus its ``codec``; the top level carries the first prompt's. hsx's own
-fields travel in the extra body (``extra_body`` of OpenAI's clients): ``codec`` and
-``layers``, typed and checked as on ``/extract`` before anything is rendered.
+fields travel in the extra body (``extra_body`` of OpenAI's clients): ``codec``,
+``layers`` and ``loss``, typed and checked as on ``/extract`` before anything is
+rendered; a chat request's mask is derived from its messages and tools and checked
+against vLLM's render (``service.api.loss.chat_spans``), and each choice's
+``kv_transfer_params`` carry ``num_loss_tokens``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
@@ -40,6 +45,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from service.api.codec_params import check_codec_params
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
+from service.api.loss import PromptSpans, chat_spans
 from service.api.openai_protocol import (
     HsxExtras,
     OpenAIError,
@@ -48,13 +54,15 @@ from service.api.openai_protocol import (
     hsx_extras,
     refuse_unsupported,
     requested_max_tokens,
+    text_sizes,
     transfer_params,
 )
 from service.api.openai_vllm import VllmFrontEnd, front_end
-from service.api.prompts import check_request_limits
+from service.api.prompts import check_request_limits, check_text_sizes
 from service.api.routes.extract import execute, raise_failures
 from service.api.schemas import ErrorBody, ExtractRequest, PromptObject
 from service.api.state import ApiState
+from service.masks import LossMode, MaskError
 
 router = APIRouter(route_class=OpenAIRoute, tags=["openai"])
 T = TypeVar("T")
@@ -91,9 +99,13 @@ async def completions(
     field = "prompt[]" if many else "prompt"
     count = len(body.prompt) if many else 1
     vllm, max_tokens, extras = await _checked(request, state, body, count, field)
+    if extras.loss not in ("none", "all"):
+        message = f"loss: {extras.loss!r} needs a chat request; a completion takes 'all' or 'none'"
+        raise OpenAIError(400, message, param="loss")
     rendered = await _vllm(vllm.render.render_completion_request(body, request))
     prompts = [list(r.token_ids) for r in rendered]
-    outcomes = await _extract(request, state, namespace, prompts, max_tokens, extras, field)
+    spans: list[PromptSpans] = [((0, len(p)),) if extras.loss == "all" else None for p in prompts]
+    outcomes = await _extract(request, state, namespace, prompts, max_tokens, extras, field, spans)
     return JSONResponse(_completion(state, body, prompts, outcomes, max_tokens).model_dump())
 
 
@@ -105,27 +117,37 @@ async def chat_completions(
     vllm, max_tokens, extras = await _checked(request, state, body, 1, "messages")
     rendered = await _vllm(vllm.render.render_chat_request(body, request))
     prompt = list(rendered.token_ids)
-    (outcome,) = await _extract(request, state, namespace, [prompt], max_tokens, extras, "messages")
+    spans = [await _chat_spans(state, body, extras.loss, prompt)]
+    (outcome,) = await _extract(
+        request, state, namespace, [prompt], max_tokens, extras, "messages", spans
+    )
     return JSONResponse(_chat(state, body, prompt, outcome, max_tokens).model_dump())
 
 
 @router.post("/v1/chat/completions/render", response_model=GenerateRequest, responses=RENDER)
-async def render_chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+async def render_chat(
+    body: ChatCompletionRequest, request: Request, state: StateDep
+) -> JSONResponse:
     """The token ids vLLM renders for this chat request (no engine work, no object)."""
+    _checked_text(state, body, "messages")
     rendered = await _vllm(front_end(request).render.render_chat_request(body, request))
     return JSONResponse(rendered.model_dump())
 
 
 @router.post("/v1/completions/render", response_model=list[GenerateRequest], responses=RENDER)
-async def render_completion(body: CompletionRequest, request: Request) -> JSONResponse:
+async def render_completion(
+    body: CompletionRequest, request: Request, state: StateDep
+) -> JSONResponse:
     """The token ids vLLM renders for each prompt (no engine work, no object)."""
+    _checked_text(state, body, "prompt")
     rendered = await _vllm(front_end(request).render.render_completion_request(body, request))
     return JSONResponse([r.model_dump() for r in rendered])
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=RENDER)
-async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+async def tokenize(body: TokenizeRequest, request: Request, state: StateDep) -> JSONResponse:
     """Token ids of a prompt or a conversation, as vLLM's ``/tokenize``."""
+    _checked_text(state, body, "messages" if hasattr(body, "messages") else "prompt")
     result = await _vllm(front_end(request).tokenization.create_tokenize(body, request))
     return JSONResponse(result.model_dump())
 
@@ -141,7 +163,7 @@ async def _checked(
     request: Request, state: ApiState, body: Any, prompts: int, prompt_field: str
 ) -> tuple[VllmFrontEnd, int, HsxExtras]:
     """Checks before rendering: the model (404), refused fields, hsx's extra fields
-    (``codec``, ``layers``), prompt and token limits."""
+    (``codec``, ``layers``, ``loss``), prompt and token limits, and text too long to fit."""
     vllm = front_end(request)
     wrong_model = await vllm.registry.check_model(body.model)
     if wrong_model is not None:
@@ -154,6 +176,7 @@ async def _checked(
         check_codec_params(state.extractor, extras.codec, extras.layers)
         placeholder = ExtractRequest.model_construct(prompts=[""] * prompts, max_tokens=max_tokens)
         check_request_limits(placeholder, state.settings.limits)
+        _check_text(state, body, max_tokens)
     except OpenAIError:
         state.metrics.rejected("invalid_request")
         raise
@@ -161,6 +184,45 @@ async def _checked(
         state.metrics.rejected(error.detail.type)
         raise OpenAIError.from_api_error(error, prompt_field) from None
     return vllm, max_tokens, extras
+
+
+async def _chat_spans(
+    state: ApiState, body: ChatCompletionRequest, loss: LossMode, rendered: list[int]
+) -> PromptSpans:
+    """The supervised ranges ``loss`` asks for in the rendered conversation (renders, so
+    off the event loop); a mask that cannot be trusted is a 400 naming ``loss``."""
+    if loss == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    compute = partial(chat_spans, state.extractor.tokenizer, body.messages, tools, loss, rendered)
+    try:
+        return await run_in_threadpool(compute)
+    except MaskError as exc:
+        assert state.metrics is not None
+        state.metrics.rejected("invalid_request")
+        raise OpenAIError(400, f"loss: {loss!r}: {exc}", param="loss") from None
+
+
+def _check_text(state: ApiState, body: Any, max_tokens: int) -> None:
+    """vLLM's renderer tokenises whatever text it gets: refuse text that cannot fit in
+    the model before it does (``check_text_sizes``; an ApiError)."""
+    check_text_sizes(
+        text_sizes(body),
+        max_tokens=max_tokens,
+        token_bytes=state.max_token_bytes,
+        max_model_len=state.extractor.max_model_len,
+        limits=state.settings.limits,
+    )
+
+
+def _checked_text(state: ApiState, body: Any, prompt_field: str) -> None:
+    """``_check_text`` for the routes that only render (no tokens to generate)."""
+    try:
+        _check_text(state, body, 0)
+    except ApiError as error:
+        assert state.metrics is not None
+        state.metrics.rejected(error.detail.type)
+        raise OpenAIError.from_api_error(error, prompt_field) from None
 
 
 async def _vllm(work: Awaitable[T]) -> T:
@@ -184,6 +246,7 @@ async def _extract(
     max_tokens: int,
     extras: HsxExtras,
     prompt_field: str,
+    spans: list[PromptSpans],
 ) -> list[Any]:
     """Run the prompts exactly as ``/extract`` does; every object durable, or an error."""
     body = ExtractRequest.model_construct(
@@ -195,7 +258,7 @@ async def _extract(
         layers=extras.layers,
     )
     try:
-        outcomes = await execute(body, request, state, namespace)
+        outcomes = await execute(body, request, state, namespace, spans)
         raise_failures(outcomes)
     except ApiError as error:
         raise OpenAIError.from_api_error(error, prompt_field) from None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from service.codecs import Codec
+from service.engine.wire import FailureType
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -27,6 +28,8 @@ class PendingSave:
     block_ids: list[int]
     metadata: dict[str, str]
     failure: str | None = None
+    failure_type: FailureType = "internal_error"
+    """The error type a caller sees for ``failure`` (``invalid_request``: the prompt's)."""
     loss_spans: list[tuple[int, int]] | None = None
     """Supervised ``[start, end)`` ranges of ``token_ids``: write a ``loss_mask``."""
     codec: Codec = "raw"

@@ -87,6 +87,16 @@ class HsxConnectorScheduler:
                 save.loss_spans = stored_loss_spans(params.loss_spans, len(prompt), len(token_ids))
             except ValueError as exc:  # a bug of ours, as above
                 save.failure = str(exc)
+            if save.loss_spans is not None and not any(e > s for s, e in save.loss_spans):
+                # The API let a prompt without supervised tokens through because generated
+                # ones would count, but the model stopped before one had states: refuse
+                # rather than store an all-zero mask.
+                save.failure = (
+                    "loss: no token is supervised: the prompt has none and generation "
+                    f"stopped after {len(request.all_token_ids) - len(prompt)} token(s), "
+                    "none of which has states (the last sampled token never does)"
+                )
+                save.failure_type = "invalid_request"
         return save
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -116,7 +116,7 @@ class HsxConnectorWorker:
             save = self._queue[0]
             if save.failure is not None:
                 self._queue.popleft()
-                self._fail(save, 0, WriteFailure(type="internal_error", message=save.failure))
+                self._fail(save, 0, WriteFailure(type=save.failure_type, message=save.failure))
                 continue
             nbytes = self._host_bytes(save)
             if not self._writer.try_reserve(nbytes):
