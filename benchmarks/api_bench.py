@@ -69,11 +69,16 @@ async def _serve(settings: Settings, extractor: Any) -> tuple[Any, asyncio.Task[
     return server, task, f"http://127.0.0.1:{port}"
 
 
-def bench_settings(scratch: Path, name: str, **limits: Any) -> Settings:
-    """The tiny dense demo model (float32, 1 GiB KV cache) and storage under ``scratch``."""
+def bench_settings(
+    scratch: Path, name: str, *, hidden_size: int = 128, num_layers: int = 4, **limits: Any
+) -> Settings:
+    """The tiny dense demo model (float32, 1 GiB KV cache; larger when asked) and
+    storage under ``scratch``."""
     from service.engine.tiny_models import make_model
 
-    model = make_model(scratch / f"{name}-model", "llama")
+    model = make_model(
+        scratch / f"{name}-model", "llama", hidden_size=hidden_size, num_layers=num_layers
+    )
     return Settings(
         engine={
             "model": str(model),
