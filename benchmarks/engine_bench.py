@@ -110,6 +110,20 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   the order alternating each round. Target for local disk: at least 0.95. S3 is moto
   on 127.0.0.1 inside the bench process, so its CPU comes out of the same cores as the
   engine's: the S3 rows are information.
+- **What stands between extraction and 0.95 at 256 tokens on local disk.** Two full
+  `make bench` runs of the same code on this machine on the same day gave 0.98 and
+  0.94 (2026-11-22); single rounds spread about ±0.05 more. What
+  extraction adds to the worker is measured, not guessed (`docs/profile.md`): about
+  6.3 ms of CPU per 4 MiB object in the writer (SHA-256, which the response promises,
+  is about 2.5 ms of it; fsync 0.3-0.4 ms), so about 0.4 CPU-seconds per round of 64
+  objects, against about 46 core-seconds of a round on 2 full cores (under 1%); and
+  extraction's added worker CPU per round measured +0.01 s of 39.6. Cut so far, each
+  with its numbers there: the writer's threads moved off the forward pass's CPU (they
+  had shared it), no serialisation copy, an `index_select` gather (0.86 to 0.13 ms per
+  object). Tried and kept out: smaller write chunks, batched fsyncs, nice-10 writers,
+  a cheaper checksum. What is left is within the spread between runs: on 2 cores, the
+  writer's threads wake on the forward pass's cores at moments a round cannot
+  control. More rounds would narrow the spread; each round is about 23 s here.
 - **extraction vs vanilla vLLM**: an `AsyncLLM` with the same engine arguments minus
   the speculative method, the KV connector and hsx's worker extension; plain requests.
   Only one engine fits on this machine at a time, so it runs after the hsx engines
