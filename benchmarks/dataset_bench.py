@@ -113,7 +113,7 @@ async def _compare(extractor: Any, url: str, scratch: Path, count: int, rounds: 
     i, r = await _interleaved(in_process, runner, rounds)
     return Row(
         f"dataset runner vs in-process, {count} prompts (ratio: runner / in-process "
-        f"throughput; CPU s per round: {_cpu_text(cpu)})",
+        f"throughput; CPU s per round: {cpu_text(cpu)})",
         _ms(r),
         _ms(i),
         i / r,
@@ -159,7 +159,9 @@ def cpu_seconds(out: list[CpuSeconds]) -> Iterator[None]:
         )
 
 
-def _cpu_text(cpu: dict[str, list[CpuSeconds]]) -> str:
+def cpu_text(cpu: dict[str, list[CpuSeconds]], child: str = "runner") -> str:
+    """Each side's median CPU seconds per round, per process; ``child`` names the
+    child process the bench ran (the runner, or the API bench's client)."""
     parts = []
     for side, rounds in cpu.items():
         timed = rounds[1:]  # the first is the warm-up
@@ -167,7 +169,11 @@ def _cpu_text(cpu: dict[str, list[CpuSeconds]]) -> str:
             name: statistics.median(getattr(c, name) for c in timed)
             for name in ("runner", "server", "engine")
         }
-        text = ", ".join(f"{name} {value:.2f}" for name, value in median.items() if value >= 0.005)
+        text = ", ".join(
+            f"{child if name == 'runner' else name} {value:.2f}"
+            for name, value in median.items()
+            if value >= 0.005
+        )
         parts.append(f"{side}: {text}")
     return "; ".join(parts)
 

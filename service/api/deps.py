@@ -16,7 +16,12 @@ from service.api.state import ApiState
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer <key>`")
 
 
-def get_state(request: Request) -> ApiState:
+# Both dependencies are ``async def`` although they never await: FastAPI runs a plain
+# ``def`` dependency in its thread pool, and two thread hops per request cost the event
+# loop more than everything these functions do.
+
+
+async def get_state(request: Request) -> ApiState:
     state: ApiState = request.app.state.hsx
     return state
 
@@ -24,7 +29,7 @@ def get_state(request: Request) -> ApiState:
 StateDep = Annotated[ApiState, Depends(get_state)]
 
 
-def caller_namespace(
+async def caller_namespace(
     request: Request,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> str:

@@ -103,12 +103,12 @@ def _text_bytes(prompt: str | PromptObject) -> int:
     return 0
 
 
-def check_request_limits(request: ExtractRequest, limits: LimitsSettings) -> None:
+def check_request_limits(prompts: int, max_tokens: int, limits: LimitsSettings) -> None:
     """Limits that need no tokenizer: prompts per request and max_tokens."""
-    if len(request.prompts) > limits.max_prompts:
-        raise _limit("prompts", f"{len(request.prompts)} prompts; at most {limits.max_prompts}")
-    if request.max_tokens > limits.max_tokens:
-        raise _limit("max_tokens", f"{request.max_tokens}; at most {limits.max_tokens}")
+    if prompts > limits.max_prompts:
+        raise _limit("prompts", f"{prompts} prompts; at most {limits.max_prompts}")
+    if max_tokens > limits.max_tokens:
+        raise _limit("max_tokens", f"{max_tokens}; at most {limits.max_tokens}")
 
 
 def tokenize_all(

@@ -104,7 +104,7 @@ async def admit(
     """Checks before the engine: limits, serving state, token ids, masks, queue room."""
     assert state.metrics is not None
     try:
-        check_request_limits(body, state.settings.limits)
+        check_request_limits(len(body.prompts), body.max_tokens, state.settings.limits)
         ensure_serving(state)
         check_codec_params(state.extractor, body.codec, body.layers)
         token_ids: list[list[int]] = await prompt_token_ids(state, body, deadline)

@@ -102,8 +102,7 @@ async def completions(
     if extras.loss not in ("none", "all"):
         message = f"loss: {extras.loss!r} needs a chat request; a completion takes 'all' or 'none'"
         raise OpenAIError(400, message, param="loss")
-    rendered = await _vllm(vllm.render.render_completion_request(body, request))
-    prompts = [list(r.token_ids) for r in rendered]
+    prompts = await _vllm(vllm.completion_token_ids(body))
     spans: list[PromptSpans] = [((0, len(p)),) if extras.loss == "all" else None for p in prompts]
     outcomes = await _extract(request, state, namespace, prompts, max_tokens, extras, field, spans)
     return JSONResponse(_completion(state, body, prompts, outcomes, max_tokens).model_dump())
@@ -115,8 +114,7 @@ async def chat_completions(
 ) -> JSONResponse:
     """Hidden states of the rendered conversation; answers once the object is durable."""
     vllm, max_tokens, extras = await _checked(request, state, body, 1, "messages")
-    rendered = await _vllm(vllm.render.render_chat_request(body, request))
-    prompt = list(rendered.token_ids)
+    prompt = await _vllm(vllm.chat_token_ids(body))
     spans = [await _chat_spans(state, body, extras.loss, prompt)]
     (outcome,) = await _extract(
         request, state, namespace, [prompt], max_tokens, extras, "messages", spans
@@ -174,8 +172,7 @@ async def _checked(
         max_tokens = requested_max_tokens(body, "max_completion_tokens", "max_tokens")
         extras = hsx_extras(body)
         check_codec_params(state.extractor, extras.codec, extras.layers)
-        placeholder = ExtractRequest.model_construct(prompts=[""] * prompts, max_tokens=max_tokens)
-        check_request_limits(placeholder, state.settings.limits)
+        check_request_limits(prompts, max_tokens, state.settings.limits)
         _check_text(state, body, max_tokens)
     except OpenAIError:
         state.metrics.rejected("invalid_request")
@@ -270,6 +267,7 @@ def _completion(
 ) -> CompletionResponse:
     """vLLM's completion answer; token ids only when asked, as vLLM gives them."""
     ids = bool(body.return_token_ids)
+    params = [transfer_params(o) for o in outcomes]
     choices = [
         CompletionResponseChoice(
             index=i,
@@ -277,7 +275,7 @@ def _completion(
             finish_reason=finish_reason(o, max_tokens),
             token_ids=list(o.output_token_ids) if ids else None,
             prompt_token_ids=prompts[i] if ids else None,
-            kv_transfer_params=transfer_params(o),
+            kv_transfer_params=params[i],
         )
         for i, o in enumerate(outcomes)
     ]
@@ -285,7 +283,7 @@ def _completion(
         model=_model(state, body.model),
         choices=choices,
         usage=_usage(outcomes),
-        kv_transfer_params=transfer_params(outcomes[0]),
+        kv_transfer_params=params[0],
     )
 
 
@@ -295,19 +293,20 @@ def _chat(
     """vLLM's chat answer: ``prompt_token_ids`` at the top level, as vLLM puts them."""
     ids = bool(body.return_token_ids)
     text = _text(state, outcome.output_token_ids, body.skip_special_tokens)
+    params = transfer_params(outcome)
     choice = ChatCompletionResponseChoice(
         index=0,
         message=ChatMessage(role="assistant", content=text),
         finish_reason=finish_reason(outcome, max_tokens),
         token_ids=list(outcome.output_token_ids) if ids else None,
-        kv_transfer_params=transfer_params(outcome),
+        kv_transfer_params=params,
     )
     return ChatCompletionResponse(
         model=_model(state, body.model),
         choices=[choice],
         usage=_usage([outcome]),
         prompt_token_ids=prompt if ids else None,
-        kv_transfer_params=transfer_params(outcome),
+        kv_transfer_params=params,
     )
 
 
