@@ -15,8 +15,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks.storage_bench import Row
-
 from benchmarks import (
     api_bench,
     codec_bench,
@@ -26,6 +24,7 @@ from benchmarks import (
     storage_bench,
     validation_bench,
 )
+from benchmarks.storage_bench import Row
 
 #: Benches on the engine, in the order of the table; each takes ``quick``.
 ENGINE_BENCHES = (api_bench, codec_bench, dataset_bench, engine_bench)
