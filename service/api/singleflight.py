@@ -17,7 +17,13 @@ class _Flight(Generic[T]):
 
 
 class SingleFlight(Generic[T]):
-    """Concurrent calls for one key share one run; it is cancelled when all leave."""
+    """Concurrent calls for one key share one run; it is cancelled when all leave.
+
+    Only a run nobody has given up on can be joined: the last caller to leave takes the
+    flight out of the table before cancelling it, so a caller arriving while the
+    cancellation unwinds (the engine request being aborted) starts a fresh run instead
+    of inheriting the ``CancelledError`` of a run it never gave up on.
+    """
 
     def __init__(self) -> None:
         self._flights: dict[str, _Flight[T]] = {}
@@ -36,6 +42,7 @@ class SingleFlight(Generic[T]):
         finally:
             flight.waiters -= 1
             if not flight.waiters and not flight.task.done():
+                self._forget(key, flight)  # no one may join a run being cancelled
                 flight.task.cancel()  # nobody waits: abort the engine request
                 await asyncio.gather(flight.task, return_exceptions=True)
 

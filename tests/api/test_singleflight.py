@@ -67,6 +67,42 @@ async def test_the_run_outlives_a_leaving_caller_but_not_the_last() -> None:
     assert cancelled.is_set()  # nobody waits any more: the work was cancelled
 
 
+async def test_a_caller_arriving_while_the_run_is_cancelled_gets_a_fresh_run() -> None:
+    # Issue 26, finding 5: the last caller leaves, the run is being cancelled (the
+    # engine request is aborted, which takes a while), and a new caller for the same
+    # key arrives in that window. It never gave up: it must get a result from a run of
+    # its own, not the CancelledError of the run being torn down.
+    flights: SingleFlight[int] = SingleFlight()
+    started, unwinding, unwound = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    runs = 0
+
+    async def work() -> int:
+        nonlocal runs
+        runs += 1
+        if runs > 1:
+            return 11
+        started.set()
+        try:
+            await asyncio.Event().wait()  # never set: only a cancel ends the first run
+        except asyncio.CancelledError:
+            unwinding.set()
+            await unwound.wait()  # the abort takes a while
+            raise
+        return 0  # pragma: no cover
+
+    first = asyncio.ensure_future(flights.run("k", work))
+    await started.wait()
+    first.cancel()
+    await unwinding.wait()  # the first run is being cancelled, not yet done
+    late = asyncio.ensure_future(flights.run("k", work))
+    await asyncio.sleep(0)
+    unwound.set()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await late == (11, False)  # a run of its own, not a shared cancelled one
+    assert runs == 2
+
+
 async def test_errors_reach_every_caller() -> None:
     flights: SingleFlight[int] = SingleFlight()
 
