@@ -10,6 +10,9 @@ A backend stores opaque bytes under server-made keys. Its contract:
 * ``delete`` is idempotent.
 * ``list`` pages through the keys under a prefix in ascending key order, starting
   after a given key (S3's ``StartAfter``), so a page boundary never skips or repeats.
+  It lists only valid keys (``validate_key``, the check ``get`` applies): an entry
+  something else put in the store under a name no key can have is never listed, and a
+  page's ``next_after`` is always the last key it lists.
 * ``ping`` raises :class:`StorageUnavailableError` when the store cannot be reached.
 * Blocking work runs on the backend's own thread pool, never on the event loop.
 
@@ -320,7 +323,27 @@ class ThreadedStorage(Storage):
 
     async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
         check_listing(prefix, limit, after)
-        return await self._run(self._list, prefix, limit, after)
+        return await self._run(self._list_keys, prefix, limit, after)
+
+    def _list_keys(self, prefix: str, limit: int, after: str | None) -> ObjectPage:
+        """``_list``'s pages with only valid keys, each ending on the last key it lists.
+
+        A backend may skip entries that are not keys and still report the last name it
+        saw as where to continue (S3 does: a whole page of foreign names must not make
+        the listing start over). Such a name cannot be a cursor, since ``after`` must be
+        a key: continue from it here until the page is full or the listing ends.
+        """
+        from service.storage.keys import is_key
+
+        objects: list[ObjectInfo] = []
+        while True:
+            page = self._list(prefix, limit - len(objects), after)
+            objects += [o for o in page.objects if is_key(o.key)]
+            if page.next_after is None:
+                return ObjectPage(tuple(objects), None)
+            if len(objects) >= limit:
+                return ObjectPage(tuple(objects), objects[-1].key)
+            after = page.next_after
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)

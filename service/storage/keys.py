@@ -50,6 +50,22 @@ def validate_key(key: str) -> str:
     return key
 
 
+def is_segment(name: str) -> bool:
+    """Whether ``name`` can be one ``/``-separated segment of a key."""
+    return len(name.encode("utf-8", "surrogatepass")) <= MAX_SEGMENT_BYTES and bool(
+        _SEGMENT.fullmatch(name)
+    )
+
+
+def is_key(key: str) -> bool:
+    """Whether ``validate_key`` accepts ``key``: what a listing may return."""
+    try:
+        validate_key(key)
+    except InvalidKeyError:
+        return False
+    return True
+
+
 def validate_key_prefix(prefix: str) -> str:
     """Return ``prefix`` if some valid key could start with it, else raise InvalidKeyError.
 

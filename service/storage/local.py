@@ -13,7 +13,6 @@ import errno
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -38,12 +37,11 @@ from service.storage.base import (
     StorageUnavailableError,
     ThreadedStorage,
 )
-from service.storage.keys import validate_key
+from service.storage.keys import is_key, is_segment, validate_key
 
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".hsx-tmp-"
-_SEGMENT_START = re.compile(r"[A-Za-z0-9]")
 
 
 def root_from_url(url: str) -> Path:
@@ -107,6 +105,20 @@ class LocalStorage(ThreadedStorage):
             raise InvalidKeyError("key resolves outside the storage root", key=key)
         return resolved
 
+    def _file_for(self, key: str, operation: str) -> Path:
+        """The regular file a read of ``key`` may open: NotFoundError when there is
+        none of ours, which includes a symlink that leads out of the root (its target
+        is not an object of this store) and a directory; InvalidKeyError for a key that
+        is not one (syntax)."""
+        validate_key(key)
+        try:
+            path = self.path_for(key)
+        except InvalidKeyError:
+            raise NotFoundError("no object under this key", operation=operation, key=key) from None
+        if not path.is_file():
+            raise NotFoundError("no object under this key", operation=operation, key=key)
+        return path
+
     def uri(self, key: str) -> str:
         return self.path_for(key).as_uri()
 
@@ -114,8 +126,12 @@ class LocalStorage(ThreadedStorage):
 
     async def exists(self, key: str) -> bool:
         """A stat, not ``head``'s full-file checksum."""
-        path = self.path_for(key)
-        return await self._run(path.is_file)
+        validate_key(key)
+        try:
+            await self._run(self._file_for, key, "head")
+        except NotFoundError:
+            return False
+        return True
 
     async def open_read(self, key: str) -> ObjectReader:
         """Stream the file in pieces read on the backend's threads."""
@@ -123,9 +139,7 @@ class LocalStorage(ThreadedStorage):
         return ObjectReader(os.fstat(file.fileno()).st_size, self._pieces(file))
 
     def _open(self, key: str) -> BinaryIO:
-        path = self.path_for(key)
-        if not path.is_file():
-            raise NotFoundError("no object under this key", operation="get", key=key)
+        path = self._file_for(key, "get")
         try:
             return open(path, "rb")  # closed by _pieces
         except OSError as exc:
@@ -201,15 +215,14 @@ class LocalStorage(ThreadedStorage):
             os.close(dfd)
 
     def _get(self, key: str) -> bytes:
+        path = self._file_for(key, "get")
         try:
-            return self.path_for(key).read_bytes()
+            return path.read_bytes()
         except OSError as exc:
             raise _os_error(exc, "get", key) from exc
 
     def _head(self, key: str) -> ObjectRef:
-        path = self.path_for(key)
-        if not path.is_file():
-            raise NotFoundError("no object under this key", operation="head", key=key)
+        path = self._file_for(key, "head")
         try:
             source = Source(path=path)
             return ObjectRef(key, path.as_uri(), source.size, source.sha256())
@@ -245,7 +258,10 @@ class LocalStorage(ThreadedStorage):
         """Keys under ``directory`` in ascending key order, pruned by prefix and ``after``.
 
         A directory's key range is ``base + name + "/..."``: sorting entries by that
-        (files by their own name) walks keys in the order S3 lists them.
+        (files by their own name) walks keys in the order S3 lists them. Only valid keys
+        are listed (``validate_key``, the check every read applies): a stray file whose
+        name no key can have (a space, a hidden name, a writer's temp file) is skipped,
+        and so is a directory no key can lie under; symlinks are never followed.
         """
         try:
             entries = list(os.scandir(directory))
@@ -255,8 +271,8 @@ class LocalStorage(ThreadedStorage):
             (e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in entries
         )
         for name, entry in named:
-            if name.startswith(TEMP_PREFIX) or not _SEGMENT_START.match(name):
-                continue  # temp files of writers in progress; never keys
+            if not is_segment(name.removesuffix("/")):
+                continue  # temp files of writers in progress, stray names: never keys
             key = base + name
             if not (key.startswith(prefix) or prefix.startswith(key)):
                 continue
@@ -268,6 +284,7 @@ class LocalStorage(ThreadedStorage):
                 entry.is_file(follow_symlinks=False)
                 and key.startswith(prefix)
                 and (after is None or key > after)
+                and is_key(key)
             ):
                 yield key
 

@@ -61,3 +61,53 @@ async def test_ready_hides_why_storage_is_unavailable(fake: Any, tmp_path: Path)
             moved.rename(fake.storage.root)
     assert response.status_code == 503
     assert response.json() == {"status": "unavailable", "detail": "storage: unavailable"}
+
+
+async def test_listing_shows_only_what_get_serves_and_symlinks_out_are_404(
+    app_client: httpx.AsyncClient, fake: Any, tmp_path: Path
+) -> None:
+    # Issue 26, finding 11: a stray file in the storage root was listed by GET /objects
+    # and then 404 on GET; a key whose path leads out of the root through a symlink
+    # answered 502 (the storage refused the key) where a missing object is a 404.
+    body = {"prompts": [{"token_ids": [5, 6, 7]}, {"token_ids": [8, 9]}]}
+    made = await app_client.post("/extract", json=body, headers=AUTH_A)
+    keys = sorted(o["key"] for o in made.json()["objects"])
+    root = fake.storage.root
+    day = keys[0].rsplit("/", 1)[0]  # hsx/team-a/yyyy/mm/dd
+    strays = [
+        "hsx/team-a/notes.safetensors",  # a valid key, not one of this server's layout
+        f"{day}/readme.txt",
+        f"{day}/has space.safetensors",  # no key at all
+    ]
+    for name in strays:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"stray")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.safetensors").write_bytes(b"not an object of this store")
+    (root / day).parent.joinpath("99").symlink_to(outside)
+    escaped = f"{day.rsplit('/', 1)[0]}/99/x.safetensors"
+
+    for limit in (1, 2, 100):
+        listed, cursor = [], None
+        while True:
+            query = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+            page = await app_client.get("/objects", params=query, headers=AUTH_A)
+            assert page.status_code == 200, page.text
+            listed += [o["key"] for o in page.json()["objects"]]
+            cursor = page.json().get("next_cursor")
+            if cursor is None:
+                break
+        assert listed == keys, limit
+    for key in keys:  # everything listed is served
+        assert (await app_client.get(f"/objects/{key}", headers=AUTH_A)).status_code == 200
+    for name in [*strays, escaped]:
+        for response in (
+            await app_client.get(f"/objects/{name}", headers=AUTH_A),
+            await app_client.get(f"/objects/{name}", params={"decode": "true"}, headers=AUTH_A),
+            await app_client.delete(f"/objects/{name}", headers=AUTH_A),
+        ):
+            assert response.status_code == 404, (name, response.text)
+            assert response.json()["error"]["type"] == "not_found"
+            assert str(outside) not in response.text
+    assert (outside / "x.safetensors").read_bytes() == b"not an object of this store"

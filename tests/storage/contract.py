@@ -10,6 +10,7 @@ import array
 import asyncio
 import hashlib
 import os
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -208,6 +209,42 @@ class StorageContract:
             await storage.list("hsx/", limit=0)
         with pytest.raises(InvalidKeyError):
             await storage.list("hsx/", after="../x")
+
+    # -- stray entries: put in the store by something other than hsx -------------------
+
+    #: Names no key can have (a space, a hidden file, a backslash, a temp-file name, a
+    #: non-ASCII letter): ``get`` refuses them, so a listing must never return them.
+    STRAYS = (
+        "hsx/tenant-s/has space.safetensors",
+        "hsx/tenant-s/.DS_Store",
+        "hsx/tenant-s/a\\b.safetensors",
+        "hsx/tenant-s/.hsx-tmp-abc",
+        "hsx/tenant-s/\u00fcber.safetensors",
+        "hsx/tenant-s/zz z/inside.safetensors",
+    )
+
+    @pytest.mark.parametrize("limit", [1, 2, 1000])
+    async def test_list_skips_entries_that_are_not_keys(
+        self, storage: Storage, plant: Plant, limit: int
+    ) -> None:
+        # Issue 26, finding 11: a stray file was listed, then 404 on GET. Strays sit
+        # before, between and after the keys, so pages of one and two end on them.
+        keys = sorted(f"hsx/tenant-s/{name}.safetensors" for name in ("b", "h", "t", "zz"))
+        for key in keys:
+            await storage.put(key, b"object")
+        for name in self.STRAYS:
+            await plant(name, b"stray")
+        listed = await list_all(storage, "hsx/tenant-s/", limit=limit)
+        assert [o.key for o in listed] == keys
+        for info in listed:  # everything listed can be read
+            assert await storage.get(info.key) == b"object"
+        for name in self.STRAYS:  # and what is not listed cannot
+            with pytest.raises(InvalidKeyError):
+                await storage.get(name)
+
+
+#: Writes a named entry straight into a backend's store, past ``put``'s key check.
+Plant = Callable[[str, bytes], Awaitable[None]]
 
 
 async def list_all(storage: Storage, prefix: str, *, limit: int) -> list[ObjectInfo]:

@@ -19,9 +19,15 @@ from prometheus_client import CollectorRegistry
 
 from service.config import LocalStorageSettings, StorageSettings
 from service.metrics import StorageMetrics
-from service.storage import InvalidKeyError, StorageError, open_backend, open_storage
+from service.storage import (
+    InvalidKeyError,
+    NotFoundError,
+    StorageError,
+    open_backend,
+    open_storage,
+)
 from service.storage.local import TEMP_PREFIX, LocalStorage, root_from_url
-from tests.storage.contract import StorageContract, fresh_key, payload
+from tests.storage.contract import Plant, StorageContract, fresh_key, payload
 
 
 class TestLocalContract(StorageContract):
@@ -31,6 +37,10 @@ class TestLocalContract(StorageContract):
         assert isinstance(backend, LocalStorage)
         yield backend
         await backend.close()
+
+    @pytest.fixture
+    def plant(self, storage: LocalStorage) -> Plant:
+        return planter(storage.root)
 
 
 class TestInstrumentedLocalContract(StorageContract):
@@ -42,6 +52,21 @@ class TestInstrumentedLocalContract(StorageContract):
         backend = open_storage(StorageSettings(url=str(tmp_path / "objects")), metrics)
         yield backend
         await backend.close()
+
+    @pytest.fixture
+    def plant(self, storage: Any) -> Plant:
+        return planter(storage.inner.root)
+
+
+def planter(root: Path) -> Plant:
+    """Files written under ``root`` by something other than hsx."""
+
+    async def plant(name: str, data: bytes) -> None:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    return plant
 
 
 @pytest.fixture
@@ -163,6 +188,33 @@ def test_symlink_pointing_out_of_root_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidKeyError, match="outside"):
         storage.path_for("escape/x.safetensors")
     assert storage.path_for("inner/x.safetensors") == storage.root / "x.safetensors"
+
+
+async def test_reads_through_a_symlink_out_of_root_find_nothing(tmp_path: Path) -> None:
+    # Issue 26, finding 11: a read of a well-formed key whose path leads out of the root
+    # was an InvalidKeyError (a storage error: 502 over HTTP). No object of this store
+    # is there: reads find nothing, writes are still refused, the target is untouched.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.safetensors").write_bytes(b"not ours")
+    storage = LocalStorage(tmp_path / "objects")
+    (storage.root / "escape").symlink_to(outside)
+    (storage.root / "dir.safetensors").mkdir()  # a directory is not an object either
+    try:
+        for key in ("escape/x.safetensors", "dir.safetensors"):
+            assert not await storage.exists(key)
+            with pytest.raises(NotFoundError):
+                await storage.get(key)
+            with pytest.raises(NotFoundError):
+                await storage.head(key)
+            with pytest.raises(NotFoundError):
+                await storage.open_read(key)
+        with pytest.raises(InvalidKeyError, match="outside"):
+            await storage.put("escape/x.safetensors", b"overwrite")
+        assert (outside / "x.safetensors").read_bytes() == b"not ours"
+        assert (await storage.list("", limit=10)).objects == ()  # neither is listed
+    finally:
+        await storage.close()
 
 
 def test_root_from_url_accepts_file_urls_and_paths(tmp_path: Path) -> None:

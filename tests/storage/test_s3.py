@@ -27,7 +27,7 @@ from service.storage import (
 )
 from service.storage.s3 import S3Storage, parse_s3_url
 from tests.conftest import s3_settings
-from tests.storage.contract import BIG, StorageContract, fresh_key, payload
+from tests.storage.contract import BIG, Plant, StorageContract, fresh_key, payload
 
 MIB = 1024 * 1024
 
@@ -40,6 +40,13 @@ class TestS3Contract(StorageContract):
         assert isinstance(backend, S3Storage)
         yield backend
         await backend.close()
+
+    @pytest.fixture
+    def plant(self, storage: S3Storage, s3_admin: Any) -> Plant:
+        async def plant(name: str, data: bytes) -> None:  # another client of the bucket
+            s3_admin.put_object(Bucket=storage.bucket, Key=f"{storage.prefix}/{name}", Body=data)
+
+        return plant
 
 
 class _Raw:

@@ -4,6 +4,12 @@ found and cleaned up.
 Pages follow ascending key order. The cursor is the last key of the previous page,
 base64url-encoded; it must decode to a key under the caller's prefix, so a cursor can
 neither reach into another namespace nor carry anything but a key.
+
+Only keys ``GET /objects/{key}`` serves are listed: the storage lists valid keys only,
+and entries of the caller's namespace that are not object keys of this server's layout
+(a stray file someone put in the store) are skipped here, with the same check ``GET``
+applies (``namespace_of``). A page may then hold fewer than ``limit`` objects; only a
+missing ``next_cursor`` ends the listing.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody
 from service.storage.base import InvalidKeyError
-from service.storage.keys import namespace_root, validate_key, validate_key_prefix
+from service.storage.keys import namespace_of, namespace_root, validate_key, validate_key_prefix
 
 router = APIRouter()
 MAX_LIMIT = 1000
+#: Storage pages one listing page may read while skipping strays (bounded work).
+MAX_ROUNDS = 8
 
 RESPONSES: dict[int | str, dict[str, Any]] = {
     422: {"model": ErrorBody, "description": "Bad prefix, cursor or limit"},
@@ -57,12 +65,21 @@ async def list_objects(
 ) -> ObjectListing:
     """List your objects whose keys start with ``prefix`` (default: all of them)."""
     assert state.storage is not None
-    scope = checked_prefix(prefix, namespace_root(state.settings.storage.key_prefix, namespace))
-    page = await state.storage.list(scope, limit=limit, after=decode_cursor(cursor, scope))
-    return ObjectListing(
-        objects=[ListedObject(key=o.key, size=o.size, created=o.created) for o in page.objects],
-        next_cursor=encode_cursor(page.next_after),
-    )
+    key_prefix = state.settings.storage.key_prefix
+    scope = checked_prefix(prefix, namespace_root(key_prefix, namespace))
+    after = decode_cursor(cursor, scope)
+    objects: list[ListedObject] = []
+    for _ in range(MAX_ROUNDS):
+        page = await state.storage.list(scope, limit=limit - len(objects), after=after)
+        objects += [
+            ListedObject(key=o.key, size=o.size, created=o.created)
+            for o in page.objects
+            if namespace_of(o.key, key_prefix) == namespace  # what GET serves
+        ]
+        after = page.next_after
+        if after is None or len(objects) >= limit:
+            break
+    return ObjectListing(objects=objects, next_cursor=encode_cursor(after))
 
 
 def checked_prefix(prefix: str | None, root: str) -> str:
