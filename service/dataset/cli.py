@@ -2,7 +2,8 @@
 
 Exit codes: 0 done (every row decided; malformed rows count as decided), 1 a run that
 stopped or left retryable failures (run it again), or a verify that found problems,
-2 bad input or options (one line on stderr, nothing written).
+2 bad input or options (one line on stderr, nothing written). Whatever else goes wrong
+is one line on stderr and exit 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ def user_errors() -> tuple[type[Exception], ...]:
     from service.dataset.inputs import InputError
     from service.dataset.manifest import FingerprintMismatchError
     from service.dataset.session import RunError
+    from service.dataset.store import OutputError
 
     return (
         InputError,
         EndpointError,
         FingerprintMismatchError,
         RunError,
+        OutputError,
         EstimateError,
         ExportError,
         FileNotFoundError,
@@ -54,6 +57,11 @@ def add_parser(commands: Any) -> None:
     export.add_argument("output", help="the run's --output")
     export.add_argument("dest", help="a new directory for the exported dataset")
     export.add_argument("--format", choices=["speculators"], default="speculators")
+    export.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="export the ok rows of a run that still has undecided rows",
+    )
     _common(export)
     export.set_defaults(func=_cmd_export)
 
@@ -143,6 +151,11 @@ def _guarded(work: Any) -> int:
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"hsx dataset: error: {message}", file=sys.stderr)
         return 2
+    except Exception as exc:  # not the user's doing: one line, exit 1 (state may be written)
+        from service.dataset.runner import describe
+
+        print(f"hsx dataset: error: {describe(exc)}", file=sys.stderr)
+        return 1
 
 
 def _field_error(error: Any) -> str:
@@ -187,7 +200,12 @@ def _cmd_export(_settings: Any, args: argparse.Namespace) -> int:
         key = args.api_key or os.environ.get("HSX_API_KEY")
         count = asyncio.run(
             export_speculators_async(
-                args.output, args.dest, args.endpoint, key, s3_endpoint_url=args.s3_endpoint_url
+                args.output,
+                args.dest,
+                args.endpoint,
+                key,
+                s3_endpoint_url=args.s3_endpoint_url,
+                allow_partial=args.allow_partial,
             )
         )
         print(f"exported {count} samples to {args.dest}")

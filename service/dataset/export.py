@@ -14,6 +14,7 @@ from the object itself, so ids, mask and states cannot disagree.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import httpx
 
 from service.dataset.endpoints import auth_headers
 from service.dataset.manifest import load_records
+from service.dataset.store import write_problem
 from service.dataset.verify import run_stores
 
 
@@ -36,14 +38,22 @@ async def export_speculators_async(
     api_key: str | None = None,
     concurrency: int = 8,
     s3_endpoint_url: str | None = None,
+    allow_partial: bool = False,
 ) -> int:
-    """Write the speculators layout of ``output`` into ``dest``; returns the sample count."""
-    from datasets import Dataset  # type: ignore[import-untyped]
+    """Write the speculators layout of ``output`` into ``dest``; returns the sample count.
 
+    A run with undecided rows (never sent, or failed retryably) is refused unless
+    ``allow_partial``, which exports its ``ok`` rows and says how many are undecided.
+    Raises :class:`ExportError` before anything is written.
+    """
     dest = Path(dest)
+    problem = write_problem(dest)
+    if problem is not None:
+        raise ExportError(f"export target {dest}: {problem}; export into a new directory")
     if dest.exists() and any(dest.iterdir()):
-        raise ExportError(f"{dest}: not empty; export into a new directory")
+        raise ExportError(f"export target {dest}: not empty; export into a new directory")
     samples = []
+    input_rows, final = 0, 0
     for store, job in run_stores(output, s3_endpoint_url):
         if job.fingerprint.loss == "none":
             raise ExportError(
@@ -51,8 +61,31 @@ async def export_speculators_async(
             )
         records = await asyncio.to_thread(load_records, store)
         samples += [(job.fingerprint.codec, r) for r in records.values() if r.status == "ok"]
+        input_rows = max(input_rows, job.input_rows)  # each shard's job counts the whole input
+        final += sum(1 for r in records.values() if r.final)
+    undecided = max(0, input_rows - final)
+    if undecided:
+        what = (
+            f"{output}: {undecided} of {input_rows} input rows are undecided (not sent yet, "
+            "or failed with a retryable error)"
+        )
+        if not allow_partial:
+            raise ExportError(
+                f"{what}; finish the run (run the same command again), or pass "
+                f"--allow-partial to export its {len(samples)} ok rows"
+            )
+        print(
+            f"hsx dataset: warning: {what}; exporting the {len(samples)} ok rows",
+            file=sys.stderr,
+            flush=True,
+        )
     samples.sort(key=lambda pair: (pair[1].row, pair[1].custom_id))
-    (dest / "hidden_states").mkdir(parents=True)
+    from datasets import Dataset  # type: ignore[import-untyped]
+
+    try:
+        (dest / "hidden_states").mkdir(parents=True)
+    except OSError as exc:
+        raise ExportError(f"export target {dest}: {exc.strerror or exc}") from None
     columns: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     async with httpx.AsyncClient(
         headers=auth_headers(api_key), timeout=120, follow_redirects=True

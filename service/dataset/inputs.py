@@ -6,7 +6,9 @@ A row becomes a :class:`Row`: its position in the file, its ``custom_id`` (the r
 content keeps its id across runs and reorderings) and either a prompt or the reason it
 is malformed. Conversations come as OpenAI ``messages`` or ShareGPT ``conversations``
 (``from``/``value``), mapped as speculators' ``prepare-data`` maps them: ``human`` ->
-``user``, ``gpt`` -> ``assistant``, unknown speakers -> ``assistant``.
+``user``, ``gpt`` -> ``assistant``, unknown speakers -> ``assistant``. Text that cannot be
+sent as UTF-8 (a lone surrogate such as ``"\\ud800"``, valid JSON and common in scraped
+dumps) makes its row malformed here, before any request is built.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Row:
 def content_id(raw: Any) -> str:
     """The id of a row without ``custom_id``: a hash of its canonical JSON."""
     text = json.dumps(raw, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-    return "row-" + hashlib.sha256(text.encode()).hexdigest()[:40]
+    # surrogatepass: a row holding a lone surrogate still gets an id (valid text is unchanged)
+    return "row-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def shard_of(custom_id: str, shards: int) -> int:
@@ -73,6 +76,9 @@ def normalise(index: int, raw: Any, id_column: str = "custom_id") -> Row:
     elif not isinstance(custom_id, str | int) or not 0 < len(str(custom_id)) <= MAX_CUSTOM_ID:
         return Row(index, content_id(raw), error=f"malformed: {id_column} must be 1-256 characters")
     custom_id = str(custom_id)
+    problem = not_utf8(custom_id)
+    if problem is not None:
+        return Row(index, content_id(raw), error=f"malformed: {id_column} {problem}")
     try:
         prompt = _prompt(raw)
     except ValueError as exc:
@@ -96,6 +102,9 @@ def _prompt(raw: dict[str, Any]) -> dict[str, Any]:
         return {"token_ids": [int(t) for t in value]}
     if not isinstance(value, str) or not value:
         raise ValueError("text must be a non-empty string")
+    problem = not_utf8(value)
+    if problem is not None:
+        raise ValueError(f"text {problem}")
     return {"text": value}
 
 
@@ -110,9 +119,11 @@ def _messages(value: Any, column: str) -> list[dict[str, str]]:
         content = turn.get("value", turn.get("content"))
         if not isinstance(role, str) or not role:
             raise ValueError(f"{column}[{number}] has no role (role or from)")
-        out.append(
-            {"role": ROLES.get(role, "assistant"), "content": _text(content, column, number)}
-        )
+        text = _text(content, column, number)
+        problem = not_utf8(text)
+        if problem is not None:
+            raise ValueError(f"{column}[{number}] content {problem}")
+        out.append({"role": ROLES.get(role, "assistant"), "content": text})
     return out
 
 
@@ -124,6 +135,20 @@ def _text(content: Any, column: str, number: int) -> str:
         if len(parts) == len(content) and all(isinstance(p, str) for p in parts):
             return "".join(str(p) for p in parts)
     raise ValueError(f"{column}[{number}] content must be text (content or value)")
+
+
+def not_utf8(text: str) -> str | None:
+    """Why ``text`` cannot be sent as UTF-8 (a lone surrogate, which JSON allows), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return (
+            f"is not valid UTF-8: a lone surrogate U+{ord(text[exc.start]):04X} "
+            f"at character {exc.start}"
+        )
+    return None
 
 
 def _is_token(value: Any) -> bool:

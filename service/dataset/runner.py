@@ -9,11 +9,21 @@ any endpoint and backs the failing endpoint off (``Retry-After`` first); an endp
 failing ``max_consecutive_errors`` times in a row is dropped, and the run stops when
 none is left. What a prompt did wrong (422, 409) is that row's failure, never the
 batch's.
+
+No worker can die silently: whatever a batch raises is caught at the batch and turns
+into a decision or a requeue for each of its rows, with the reason (a 200 whose body is
+not the expected JSON is ``bad_response``, transient like a 5xx; a row that cannot be
+encoded is ``invalid_row``, failed alone; anything else is ``internal_error``, retried
+until ``retries`` runs out). A worker that ends with an exception anyway, a manifest
+that cannot be written, or rows that are neither queued, in flight nor decided stop
+the run with that reason, so a run always ends (summary written, exit 0 or 1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import sys
 import time
@@ -39,18 +49,33 @@ from service.dataset.options import RunOptions
 from service.dataset.progress import Counters, Display
 from service.dataset.recorder import Recorder, count_record
 from service.dataset.replies import detail_of, error_of, outcome_of, retry_after
-from service.dataset.store import StateStore
+from service.dataset.store import OutputError, StateStore
 
 TRANSIENT = {500, 502, 503, 504}
 #: Rows read ahead of the workers.
 QUEUE_ROWS = 2048
+#: Fields of each ``objects[]`` entry of an ``/extract`` answer, and their types.
+OBJECT_FIELDS: dict[str, type] = {
+    "index": int,
+    "key": str,
+    "num_tokens": int,
+    "bytes": int,
+    "sha256": str,
+}
 
 
-@dataclass
+class BadResponse(Exception):
+    """A 200 whose body is not the ``/extract`` answer of hsx (a proxy's page, say)."""
+
+
+@dataclass(eq=False)
 class Item:
     row: Row
     attempts: int = 0
     last_error: str = ""
+    #: The batch that holds the item now (None: queued, decided, or left pending).
+    holder: object | None = None
+    done: bool = False
 
 
 @dataclass
@@ -71,6 +96,15 @@ def counters_from(records: dict[int, Record], expected: int) -> Counters:
     return counters
 
 
+def printable(text: str) -> str:
+    """``text`` without what cannot be written as UTF-8 (a lone surrogate becomes ``\\ud800``)."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode()
+
+
+def warn(message: str) -> None:
+    print(f"hsx dataset: {message}", file=sys.stderr, flush=True)
+
+
 class Run:
     """One session of a run: feed, work, record, summarise."""
 
@@ -89,14 +123,21 @@ class Run:
         self.max_length = fingerprint.max_length
         # Unbounded, so a worker putting work back never waits; the feeder keeps it short.
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.outstanding = 0
+        self.outstanding = 0  # rows queued or in flight, not yet decided
+        self.busy = 0  # batches in the hands of a worker
         self.fed = False
         self.settled = asyncio.Event()
         self.room = asyncio.Event()
         self.stopped: str | None = None
         self.shard_rows = 0
+        self.warned: set[str] = set()
 
     async def run(self) -> Summary:
+        """Feed, work and summarise; ends (with ``stopped`` set if it must) whatever fails.
+
+        Raises only before anything is written (``OutputError`` when ``job.json``
+        cannot be written), or when the summary itself cannot be written.
+        """
         self.started = time.monotonic()
         records = await asyncio.to_thread(load_records, self.store)
         total = await asyncio.to_thread(self.source.count)
@@ -110,28 +151,43 @@ class Run:
             for endpoint in self.endpoints
             for _ in range(self.options.concurrency)
         ]
+        for task in workers:  # a worker that dies stops the run instead of leaving it idle
+            task.add_done_callback(self.worker_ended)
         try:
-            await self.feed(records)
+            try:
+                await self.feed(records)
+            except Exception as exc:  # a reader failing mid-file, or a bug: stop, never hang
+                self.stop(f"cannot read the input past row {self.shard_rows}: {describe(exc)}")
             await self.settled.wait()
         finally:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-            await asyncio.to_thread(self.recorder.flush)
+            try:
+                await asyncio.to_thread(self.recorder.flush)
+            except Exception as exc:
+                self.stop(f"cannot write the manifest to {self.store.url}: {describe(exc)}")
             self.display.close()
         return await self.finish(records)
 
     def write_job(self, total: int) -> None:
-        """``job.json`` for a new output (or a forced one)."""
+        """``job.json`` for a new output (or a forced one): the run's first write."""
         if self.store.read(JOB) is None or self.options.force:
             where = self.options.input  # absolute, so verify finds it from anywhere
             where = where if where.startswith("s3://") else str(Path(where).resolve())
             job = Job(fingerprint=self.fingerprint, input=where, input_rows=total)
-            self.store.write(JOB, dumps(job))
+            try:
+                self.store.write(JOB, dumps(job))
+            except Exception as exc:  # nothing is written yet: a bad --output
+                raise OutputError(
+                    f"--output {self.options.output}: cannot write {JOB}: {describe(exc)}"
+                ) from None
 
     async def finish(self, records: dict[int, Record]) -> Summary:
         if self.stopped is not None:  # rows past the stop point still count as input rows
-            self.shard_rows = await asyncio.to_thread(self.count_shard_rows)
+            # The input may have broken mid-file: then the rows read so far count.
+            with contextlib.suppress(Exception):
+                self.shard_rows = await asyncio.to_thread(self.count_shard_rows)
         elapsed = time.monotonic() - self.started
         summary = summarise(records, self.shard_rows, self.stopped, elapsed)
         await asyncio.to_thread(self.store.write, SUMMARY, dumps(summary))
@@ -160,6 +216,7 @@ class Run:
                 await self.feed_one(one, records, seen)
         self.fed = True
         self.check_settled()
+        self.check_accounting()  # the workers may have finished before the last row was read
 
     async def feed_one(self, row: Row, records: dict[int, Record], seen: dict[str, int]) -> None:
         if not self.in_shard(row):
@@ -187,11 +244,23 @@ class Run:
             row=row.index,
             custom_id=row.custom_id,
             status=status,
-            reason=reason,
+            reason=printable(reason),
             retryable=retryable,
         )
         self.recorder.add(record)
         self.display.update()
+
+    def settle(self, item: Item, status: str, reason: str, *, retryable: bool = False) -> None:
+        """Decide a queued row (once): its manifest line, and one fewer outstanding."""
+        if item.done:
+            return
+        self.decide(item.row, status, reason, retryable=retryable)
+        self.record_done(item)
+
+    def record_done(self, item: Item) -> None:
+        item.done, item.holder = True, None
+        self.outstanding -= 1
+        self.check_settled()
 
     async def put(self, item: Item) -> None:
         while self.queue.qsize() >= QUEUE_ROWS and self.stopped is None:
@@ -200,10 +269,6 @@ class Run:
         self.outstanding += 1
         self.queue.put_nowait(item)
 
-    def done_with(self, count: int) -> None:
-        self.outstanding -= count
-        self.check_settled()
-
     def check_settled(self) -> None:
         if (self.fed and self.outstanding == 0) or self.stopped is not None:
             self.settled.set()
@@ -211,9 +276,31 @@ class Run:
 
     def stop(self, reason: str) -> None:
         if self.stopped is None:
-            self.stopped = reason
-            print(f"hsx dataset: stopping: {reason}", file=sys.stderr, flush=True)
+            self.stopped = printable(reason)
+            warn(f"stopping: {self.stopped}")
         self.check_settled()
+
+    def worker_ended(self, task: asyncio.Task[None]) -> None:
+        """The supervisor's view of a worker: one that raised stops the run."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.stop(f"internal error: a worker stopped: {describe(exc)}")
+
+    def warn_once(self, message: str) -> None:
+        """A warning on stderr, once per distinct message (not once per batch)."""
+        if message not in self.warned:
+            self.warned.add(message)
+            warn(message)
+
+    def check_accounting(self) -> None:
+        """Rows neither queued, in flight nor decided would leave the run idle: stop."""
+        idle = self.fed and self.busy == 0 and self.queue.empty()
+        if self.stopped is None and idle and self.outstanding != 0:
+            self.stop(
+                f"internal error: {self.outstanding} rows are neither queued, in flight nor decided"
+            )
 
     # ------------------------------------------------------------ working
 
@@ -222,22 +309,59 @@ class Run:
             batch = [await self.queue.get()]
             while len(batch) < self.options.batch_size and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
+            holder = object()
+            for item in batch:
+                item.holder = holder
+            self.busy += 1
             self.room.set()
-            wait = await self.send(endpoint, batch)
-            await asyncio.to_thread(self.recorder.flush, False)
+            try:
+                wait = await self.send(endpoint, batch)
+            except Exception as exc:  # never lose a batch: its rows go back with the reason
+                wait = await self.unexpected(batch, holder, exc)
+            finally:
+                self.busy -= 1
+            try:
+                await asyncio.to_thread(self.recorder.flush, False)
+            except Exception as exc:
+                self.stop(f"cannot write the manifest to {self.store.url}: {describe(exc)}")
+                return
             self.display.update()
+            self.check_accounting()
             if wait:
                 await asyncio.sleep(wait)
 
+    async def unexpected(self, batch: list[Item], holder: object, exc: Exception) -> float:
+        """A batch raised what no branch expects: its undecided rows are retried."""
+        error = f"internal_error: {describe(exc)}"
+        self.warn_once(f"warning: a batch failed ({error}); its rows go back on the queue")
+        mine = [item for item in batch if item.holder is holder and not item.done]
+        for item in mine:
+            item.attempts += 1
+            item.last_error = error
+        await self.requeue(mine)
+        return 0.0
+
     async def send(self, endpoint: Endpoint, batch: list[Item]) -> float:
         """Send a batch; decide or requeue every item. Returns seconds to back off."""
+        batch, content = self.encode(batch)
+        if not batch:
+            return 0.0
         try:
-            response = await self.client.post(f"{endpoint.url}/extract", json=self.body(batch))
+            response = await self.client.post(
+                f"{endpoint.url}/extract",
+                content=content,
+                headers={"Content-Type": "application/json"},
+            )
         except httpx.HTTPError as exc:
             return await self.transient(endpoint, batch, f"{type(exc).__name__}: {exc}", None)
         if response.status_code == 200:
+            try:
+                objects = objects_of(response, len(batch))
+            except BadResponse as exc:  # a proxy's page, a truncated body: like a 5xx
+                self.warn_once(f"warning: {endpoint.url}: bad_response: {exc}; retried as a 5xx")
+                return await self.transient(endpoint, batch, f"bad_response: {exc}", None)
             endpoint.errors_in_a_row = 0
-            await self.accepted(endpoint, batch, response.json())
+            await self.accepted(endpoint, batch, objects)
             return 0.0
         error = error_of(response)
         if response.status_code == 429:
@@ -246,12 +370,35 @@ class Run:
         if response.status_code in TRANSIENT:
             return await self.transient(endpoint, batch, error, retry_after(response))
         if response.status_code in (401, 403, 404):
-            self.done_with(len(batch))
+            for item in batch:  # pending: the next run sends them again
+                item.holder = None
             self.stop(f"{endpoint.url} answered {response.status_code}: {error}")
             return 0.0
         endpoint.errors_in_a_row = 0
         await self.refused(endpoint, batch, response)
         return 0.0
+
+    def encode(self, batch: list[Item]) -> tuple[list[Item], bytes]:
+        """The request body as bytes; a row that cannot be encoded fails alone
+        (``invalid_row``), the rest of its batch goes on."""
+        try:
+            return batch, _json_bytes(self.body(batch))
+        except (ValueError, TypeError):  # UnicodeEncodeError is a ValueError
+            pass
+        kept = []
+        for item in batch:
+            try:
+                _json_bytes(self.body([item]))
+            except (ValueError, TypeError) as exc:
+                self.settle(
+                    item,
+                    "failed",
+                    f"invalid_row: row {item.row.index} ({item.row.custom_id}) cannot be "
+                    f"sent as JSON: {describe(exc)}",
+                )
+            else:
+                kept.append(item)
+        return kept, (_json_bytes(self.body(kept)) if kept else b"")
 
     def body(self, batch: list[Item]) -> dict[str, Any]:
         options = self.options
@@ -269,37 +416,40 @@ class Run:
             body["layers"] = options.layers
         return body
 
-    async def accepted(self, endpoint: Endpoint, batch: list[Item], body: dict[str, Any]) -> None:
-        by_index = {int(o["index"]): o for o in body.get("objects", [])}
+    async def accepted(
+        self, endpoint: Endpoint, batch: list[Item], objects: dict[int, dict[str, Any]]
+    ) -> None:
         for position, item in enumerate(batch):
-            obj = by_index.get(position)
+            obj = objects.get(position)
             if obj is None:  # not expected from hsx; send it again
                 await self.requeue([item])
                 continue
             await self.record_object(endpoint, item, obj)
-        self.done_with(len(batch))
 
     async def record_object(self, endpoint: Endpoint, item: Item, obj: dict[str, Any]) -> None:
-        row = item.row
-        tokens = int(obj["num_tokens"])
+        tokens = obj["num_tokens"]
         if not self.options.include_output_tokens and tokens > self.max_length:
             # Only the server counts text and message tokens: drop what is over the limit.
-            await self.client.delete(f"{endpoint.url}/objects/{obj['key']}")
-            self.decide(row, "skipped", f"too_long: {tokens} > {self.max_length}")
+            with contextlib.suppress(httpx.HTTPError):  # else orphaned; skipped all the same
+                await self.client.delete(f"{endpoint.url}/objects/{obj['key']}")
+            self.settle(item, "skipped", f"too_long: {tokens} > {self.max_length}")
+            return
+        if item.done:
             return
         self.recorder.add(
             Record(
-                row=row.index,
-                custom_id=row.custom_id,
+                row=item.row.index,
+                custom_id=item.row.custom_id,
                 status="ok",
                 key=obj["key"],
                 num_tokens=tokens,
                 num_loss_tokens=obj.get("num_loss_tokens"),
-                bytes=int(obj["bytes"]),
+                bytes=obj["bytes"],
                 sha256=obj["sha256"],
                 found=obj.get("status") == "found",
             )
         )
+        self.record_done(item)
 
     async def refused(
         self, endpoint: Endpoint, batch: list[Item], response: httpx.Response
@@ -308,12 +458,10 @@ class Run:
         detail = detail_of(response)
         index = detail.get("index")
         if isinstance(index, int) and 0 <= index < len(batch):
-            self.decide(batch[index].row, *outcome_of(response.status_code, detail))
-            self.done_with(1)
+            self.settle(batch[index], *outcome_of(response.status_code, detail))
             await self.requeue([item for i, item in enumerate(batch) if i != index])
         elif len(batch) == 1:
-            self.decide(batch[0].row, *outcome_of(response.status_code, detail))
-            self.done_with(1)
+            self.settle(batch[0], *outcome_of(response.status_code, detail))
         else:  # no prompt named: send each alone to find the culprit
             for item in batch:
                 await self.send(endpoint, [item])
@@ -330,11 +478,9 @@ class Run:
             return 0.0
         if endpoint.errors_in_a_row >= self.options.max_consecutive_errors:
             endpoint.dropped = True
-            print(
-                f"hsx dataset: dropping {endpoint.url} after {endpoint.errors_in_a_row} "
-                f"errors in a row (last: {error})",
-                file=sys.stderr,
-                flush=True,
+            warn(
+                f"dropping {endpoint.url} after {endpoint.errors_in_a_row} "
+                f"errors in a row (last: {error})"
             )
             if all(e.dropped for e in self.endpoints):
                 self.stop(
@@ -351,16 +497,55 @@ class Run:
     async def requeue(self, items: list[Item]) -> None:
         """Back on the shared queue (any endpoint), or failed once out of retries."""
         for item in items:
+            if item.done:
+                continue
+            item.holder = None
             if item.attempts > self.options.retries:
-                self.decide(
-                    item.row,
+                self.settle(
+                    item,
                     "failed",
                     f"gave_up: {item.attempts} attempts, last: {item.last_error}",
                     retryable=True,
                 )
-                self.done_with(1)
             else:
                 self.queue.put_nowait(item)
+
+
+def objects_of(response: httpx.Response, count: int) -> dict[int, dict[str, Any]]:
+    """The ``objects`` of an ``/extract`` answer by prompt index; :class:`BadResponse`
+    when the body is not that answer (checked whole, before any row is decided)."""
+    kind = response.headers.get("content-type", "no content type")
+    try:
+        body = response.json()
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        sample = response.text[:80] if response.content else ""
+        raise BadResponse(f"200 with a body that is not JSON ({kind}): {sample!r}") from None
+    objects = body.get("objects") if isinstance(body, dict) else None
+    if not isinstance(objects, list):
+        raise BadResponse(f"200 without an objects list ({kind}): {json.dumps(body)[:80]}")
+    out: dict[int, dict[str, Any]] = {}
+    for number, obj in enumerate(objects):
+        if not isinstance(obj, dict):
+            raise BadResponse(f"objects[{number}] is not an object")
+        for name, kinds in OBJECT_FIELDS.items():
+            value = obj.get(name)
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise BadResponse(f"objects[{number}].{name} is missing or not {kinds.__name__}")
+        if not 0 <= obj["index"] < count:
+            raise BadResponse(f"objects[{number}].index {obj['index']} is not a prompt's")
+        out[obj["index"]] = obj
+    return out
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message``, on one line."""
+    text = " ".join(str(exc).split())
+    return printable(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+def _json_bytes(body: Any) -> bytes:
+    """The body as httpx's ``json=`` would send it (UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _next_batch(rows: Any, size: int) -> list[Row]:

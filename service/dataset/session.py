@@ -14,7 +14,7 @@ from service.dataset.inputs import open_source
 from service.dataset.manifest import Fingerprint, Summary, check_fingerprint
 from service.dataset.options import RunOptions
 from service.dataset.runner import Run
-from service.dataset.store import open_store
+from service.dataset.store import LocalStore, OutputError, open_store, write_problem
 
 
 class RunError(Exception):
@@ -24,10 +24,15 @@ class RunError(Exception):
 async def run_dataset_async(options: RunOptions) -> Summary:
     """Run (or resume) ``options``; the summary is also written to the output.
 
-    Raises InputError, EndpointError, FingerprintMismatchError or RunError before
-    anything is written.
+    Raises InputError, EndpointError, FingerprintMismatchError, RunError or
+    OutputError before anything is written.
     """
     source = open_source(options.input, options.id_column)
+    root = open_store(options.output, options.s3_endpoint_url)
+    if isinstance(root, LocalStore):  # before any request: a file in the way, no permission
+        problem = write_problem(root.root)
+        if problem is not None:
+            raise OutputError(f"--output {options.output}: {problem}")
     timeout = httpx.Timeout(options.request_timeout, connect=10.0)
     limits = httpx.Limits(max_connections=options.concurrency * len(options.endpoints) + 4)
     async with httpx.AsyncClient(
@@ -41,7 +46,6 @@ async def run_dataset_async(options: RunOptions) -> Summary:
                 flush=True,
             )
         fingerprint = make_fingerprint(options, info)
-        root = open_store(options.output, options.s3_endpoint_url)
         name = options.shard_name()
         store = root.child(name) if name else root
         check_fingerprint(store, fingerprint, options.force)

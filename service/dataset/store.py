@@ -15,6 +15,24 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
+class OutputError(Exception):
+    """A run's output (or an export's target) cannot be written."""
+
+
+def write_problem(path: Path) -> str | None:
+    """Why a directory cannot be made or written at ``path`` (None: it can, as far as
+    can be told without writing): a file in the way, or no write permission on the
+    nearest existing directory."""
+    here = path
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    if here.exists() and not here.is_dir():
+        return "is a file, not a directory" if here == path else f"{here} is a file"
+    if not os.access(here, os.W_OK | os.X_OK):
+        return "is not writable" if here == path else f"{here} is not writable"
+    return None
+
+
 class StateStore(Protocol):
     """The run's output location."""
 

@@ -6,114 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from service.dataset import RunOptions, run_dataset
-
-Reply = tuple[int, dict[str, str], dict[str, Any]]
-MODEL = {
-    "id": "tiny",
-    "object": "model",
-    "layer_ids": [1, 2],
-    "hidden_size": 4,
-    "dtype": "float32",
-    "max_model_len": 64,
-    "storage_backend": "file",
-}
-
-
-def stored(body: dict[str, Any]) -> Reply:
-    """What hsx answers when every prompt's object is durable."""
-    objects = []
-    for index, prompt in enumerate(body["prompts"]):
-        ids = prompt["token_ids"]
-        digest = hashlib.sha256(prompt["custom_id"].encode()).hexdigest()
-        objects.append(
-            {"index": index, "key": f"hsx/t/by-id/{digest[:2]}/{digest}.safetensors",
-             "uri": "file:///x", "num_tokens": len(ids), "shape": [len(ids), 2, 4],
-             "bytes": 100 + len(ids), "sha256": digest, "status": "created"}
-        )  # fmt: skip
-    return 200, {}, {"objects": objects}
-
-
-class Scripted:
-    """An hsx stand-in on 127.0.0.1 whose /extract answers come from ``script``."""
-
-    def __init__(self, script: Callable[[dict[str, Any]], Reply]) -> None:
-        self.script = script
-        self.bodies: list[dict[str, Any]] = []
-        self.tokenized: list[dict[str, Any]] = []
-        self.objects: dict[str, bytes] = {}
-        self.tokenize: Callable[[dict[str, Any]], Reply] = lambda body: (404, {}, {})
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.startswith("/objects/"):
-                    data = owner.objects.get(self.path.removeprefix("/objects/"))
-                    if data is None:
-                        self.reply(404, {}, {"error": {"type": "not_found"}})
-                        return
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                elif self.path == "/v1/models":
-                    self.reply(200, {}, {"object": "list", "data": [MODEL]})
-                else:
-                    self.reply(200, {}, {"version": "0.1.0", "vllm": "0.32.0"})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/tokenize":  # vLLM's shape: {"model", "prompt"|"messages"}
-                    owner.tokenized.append(body)
-                    self.reply(*owner.tokenize(body))
-                    return
-                owner.bodies.append(body)
-                self.reply(*owner.script(body))
-
-            def reply(self, status: int, headers: dict[str, str], body: Any) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                for name, value in {"Content-Type": "application/json", **headers}.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def prompts(self) -> int:
-        return sum(len(b["prompts"]) for b in self.bodies)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[[Callable[[dict[str, Any]], Reply]], Scripted]]:
-    made: list[Scripted] = []
-
-    def make(script: Callable[[dict[str, Any]], Reply]) -> Scripted:
-        made.append(Scripted(script))
-        return made[-1]
-
-    yield make
-    for server in made:
-        server.close()
+from tests.dataset.standins import Reply, stored
 
 
 def rows_file(tmp_path: Path, count: int, long: set[int] = frozenset()) -> Path:  # type: ignore[assignment]
@@ -333,3 +235,122 @@ def test_verify_reports_every_kind_of_problem(
         f"row 2 ({key[2]}): hidden_states hold NaN or Inf",
         f"row 3 ({key[3]}): token_ids differ from the input row",
     ])  # fmt: skip
+
+
+# ---------------------------------------------------------------- the CLI's one-line refusals
+# (issue 26, finding 10: these were 30-45-line tracebacks)
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file", "unwritable"])
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    from service.cli import main
+
+    server = servers(stored)
+    source = rows_file(tmp_path, 5)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    if where == "a-file":
+        out, problem = blocker, "is a file, not a directory"
+    elif where == "under-a-file":
+        out, problem = blocker / "run", f"{blocker} is a file"
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        out, problem = locked / "run", f"{locked} is not writable"
+        if os.access(locked, os.W_OK):  # root: no permission stops it, a kernel fs does
+            if not Path("/sys/kernel").is_dir():
+                pytest.skip("running as root without /sys: no unwritable directory to use")
+            out, problem = Path("/sys/hsx-dataset-test/run"), "cannot write job.json: "
+    started = time.monotonic()
+    code = main(["dataset", "run", str(source), "--endpoint", server.url, "--output", str(out),
+                 "--no-progress"])  # fmt: skip
+    assert time.monotonic() - started < 60
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"hsx dataset: error: --output {out}: {problem}")
+    assert blocker.read_text() == "not a directory\n"  # untouched
+    assert out == blocker or not out.exists()
+    assert server.bodies == []
+
+
+def masked_object(ids: list[int]) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    tensors = {"hidden_states": torch.ones(len(ids), 2, 4), "token_ids": torch.tensor(ids),
+               "loss_mask": torch.ones(len(ids), dtype=torch.int64)}  # fmt: skip
+    return bytes(save(tensors))
+
+
+def test_export_into_a_file_is_one_line_and_exit_2(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    server = servers(stored)
+    assert run_dataset(options(tmp_path, [server.url], loss="assistant")).complete
+    target = tmp_path / "a-file"
+    target.write_text("keep me\n")
+    for dest, problem in [
+        (target, "is a file, not a directory"),
+        (target / "export", f"{target} is a file"),
+    ]:
+        code = main(["dataset", "export", str(tmp_path / "out"), str(dest), "--endpoint",
+                     server.url])  # fmt: skip
+        assert code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"hsx dataset: error: export target {dest}: {problem}; export into a new directory"
+        ]
+    assert target.read_text() == "keep me\n"
+
+
+def test_export_of_an_unfinished_run_names_its_undecided_rows(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    calls = {"n": 0}
+
+    def two_batches_then_down(body: dict[str, Any]) -> Reply:
+        calls["n"] += 1  # one request at a time (concurrency 1)
+        if calls["n"] > 2:
+            return 503, {}, {"error": {"type": "engine_unavailable", "message": "dead"}}
+        status, headers, reply = stored(body)
+        for obj, prompt in zip(reply["objects"], body["prompts"], strict=True):
+            data = masked_object(prompt["token_ids"])
+            server.objects[obj["key"]] = data
+            obj.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        return status, headers, reply
+
+    server = servers(two_batches_then_down)
+    run = options(tmp_path, [server.url], loss="assistant", concurrency=1,
+                  max_consecutive_errors=2)  # fmt: skip
+    summary = run_dataset(run)
+    assert (summary.ok, summary.skipped, summary.pending, summary.complete) == (16, 1, 23, False)
+    capsys.readouterr()  # the run's own stopping lines
+    out, dest = str(tmp_path / "out"), tmp_path / "export"
+    command = ["dataset", "export", out, str(dest), "--endpoint", server.url]
+
+    assert main(command) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"hsx dataset: error: {out}: 23 of 40 input rows are undecided (not sent yet, or "
+        "failed with a retryable error); finish the run (run the same command again), or "
+        "pass --allow-partial to export its 16 ok rows"
+    ]
+    assert not dest.exists()
+
+    assert main([*command, "--allow-partial"]) == 0
+    captured = capsys.readouterr()
+    # (then datasets' own "Saving the dataset" progress bar)
+    assert captured.err.splitlines()[0] == (
+        f"hsx dataset: warning: {out}: 23 of 40 input rows are undecided (not sent yet, or "
+        "failed with a retryable error); exporting the 16 ok rows"
+    )
+    assert "Traceback" not in captured.err
+    assert captured.out.strip() == f"exported 16 samples to {dest}"
+    assert len(list((dest / "hidden_states").glob("hs_*.safetensors"))) == 16

@@ -1,0 +1,98 @@
+"""Scripted hsx stand-ins on 127.0.0.1: real HTTP, answers chosen by the test, so the
+dataset runner meets faults a real server produces only by chance."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+#: (status, headers, body): a JSON-able body, or bytes sent as they are.
+Reply = tuple[int, dict[str, str], Any]
+MODEL = {
+    "id": "tiny",
+    "object": "model",
+    "layer_ids": [1, 2],
+    "hidden_size": 4,
+    "dtype": "float32",
+    "max_model_len": 64,
+    "storage_backend": "file",
+}
+
+
+def stored(body: dict[str, Any]) -> Reply:
+    """What hsx answers when every prompt's object is durable."""
+    objects = []
+    for index, prompt in enumerate(body["prompts"]):
+        ids = prompt["token_ids"]
+        digest = hashlib.sha256(prompt["custom_id"].encode()).hexdigest()
+        objects.append(
+            {"index": index, "key": f"hsx/t/by-id/{digest[:2]}/{digest}.safetensors",
+             "uri": "file:///x", "num_tokens": len(ids), "shape": [len(ids), 2, 4],
+             "bytes": 100 + len(ids), "sha256": digest, "status": "created"}
+        )  # fmt: skip
+    return 200, {}, {"objects": objects}
+
+
+class Scripted:
+    """An hsx stand-in on 127.0.0.1 whose /extract answers come from ``script``."""
+
+    def __init__(self, script: Callable[[dict[str, Any]], Reply]) -> None:
+        self.script = script
+        self.bodies: list[dict[str, Any]] = []
+        self.tokenized: list[dict[str, Any]] = []
+        self.objects: dict[str, bytes] = {}
+        self.tokenize: Callable[[dict[str, Any]], Reply] = lambda body: (404, {}, {})
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/objects/"):
+                    data = owner.objects.get(self.path.removeprefix("/objects/"))
+                    if data is None:
+                        self.reply(404, {}, {"error": {"type": "not_found"}})
+                        return
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                elif self.path == "/v1/models":
+                    self.reply(200, {}, {"object": "list", "data": [MODEL]})
+                else:
+                    self.reply(200, {}, {"version": "0.1.0", "vllm": "0.32.0"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":  # vLLM's shape: {"model", "prompt"|"messages"}
+                    owner.tokenized.append(body)
+                    self.reply(*owner.tokenize(body))
+                    return
+                owner.bodies.append(body)
+                self.reply(*owner.script(body))
+
+            def reply(self, status: int, headers: dict[str, str], body: Any) -> None:
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(status)
+                for name, value in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def prompts(self) -> int:
+        return sum(len(b["prompts"]) for b in self.bodies)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
