@@ -39,6 +39,7 @@ import json
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
@@ -362,11 +363,231 @@ def _compressor() -> zstandard.ZstdCompressor:
 # ==============================
 
 
+class CorruptObjectError(ValueError):
+    """Bytes that are not a well-formed object: not safetensors, or not what the codec
+    named in its metadata writes. The readers here (``read_metadata``,
+    ``read_object``, ``decode``, ``to_raw``) raise it for any malformed input, after
+    work bounded by the input's size, and nothing else (a ValueError, as for an
+    unknown codec or version)."""
+
+
+#: safetensors' own ceiling on the JSON header; its reader refuses a longer one.
+MAX_HEADER_BYTES = 100_000_000
+#: Dtypes states decode to: the model dtypes hsx serves.
+MODEL_DTYPES = LOSSLESS_DTYPES
+#: Bytes per element of each safetensors dtype.
+_ST_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
+#: Smallest zstd window a reader accepts for an exponent plane; the plane's own size
+#: when larger (a frame whose content size is known uses that as its window).
+_MIN_WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header, checked against the bytes it describes."""
+
+    dtype: str
+    """safetensors' dtype name (``F32``, ``U8``, ...)."""
+    shape: tuple[int, ...]
+    begin: int
+    """Where its bytes start and end in the whole object (header included)."""
+    end: int
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    """What an object's header says, every part checked (``read_object``); no tensor
+    data has been read yet, nothing decompressed."""
+
+    metadata: dict[str, str]
+    tensors: dict[str, TensorEntry]
+    codec: Codec
+    version: int
+    shape: tuple[int, int, int]
+    """[T, L, H] of the states the object decodes to."""
+    dtype: str | None
+    """The model dtype the states decode to; None only for ``raw`` objects from
+    before the metadata named it."""
+    layer_ids: tuple[int, ...] | None
+    """The ``layer_ids`` metadata (one per stored layer), if the object has one."""
+
+    def bytes_of(self, data: bytes | memoryview, name: str) -> memoryview:
+        """The bytes of tensor ``name`` in ``data`` (the object this header was read from)."""
+        entry = self.tensors[name]
+        return memoryview(data)[entry.begin : entry.end]
+
+
+def _corrupt(reason: str) -> CorruptObjectError:
+    return CorruptObjectError(f"not a well-formed hidden-state object: {reason}")
+
+
+def read_safetensors_header(
+    data: bytes | memoryview,
+) -> tuple[dict[str, str], dict[str, TensorEntry]]:
+    """``(metadata, tensors)`` of a safetensors file, or CorruptObjectError.
+
+    As strict as safetensors' own reader: a header length within the data (and at most
+    ``MAX_HEADER_BYTES``), a JSON object, string-to-string ``__metadata__``, and for
+    every tensor a known dtype, a shape of non-negative integers and offsets that hold
+    exactly its bytes, the tensors filling the data after the header with no gap or
+    overlap. Work is bounded by the header's length.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes < 8:
+        raise _corrupt(f"{view.nbytes} bytes, shorter than a safetensors header length")
+    length = int.from_bytes(view[:8], "little")
+    if length > min(MAX_HEADER_BYTES, view.nbytes - 8):
+        raise _corrupt(f"a header of {length} bytes in an object of {view.nbytes}")
+    try:
+        header = json.loads(bytes(view[8 : 8 + length]))
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deeply
+        raise _corrupt(f"the header is not JSON ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(f"the header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _corrupt("__metadata__ is not an object of strings")
+    start, tensors = 8 + length, {}
+    for name, spec in header.items():
+        tensors[name] = _tensor_entry(name, spec, start)
+    position = start
+    for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            raise _corrupt(f"tensor {name[:64]!r} does not start where the one before ends")
+        position = entry.end
+    if position != view.nbytes:
+        raise _corrupt(
+            f"the tensors hold {position - start} bytes, the object {view.nbytes - start}"
+        )
+    return metadata, tensors
+
+
+def _tensor_entry(name: str, spec: Any, start: int) -> TensorEntry:
+    label = f"tensor {name[:64]!r}"
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise _corrupt(f"{label} is not described by dtype, shape and data_offsets")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if dtype not in _ST_SIZES:
+        raise _corrupt(f"{label} has an unknown dtype {str(dtype)[:32]!r}")
+    if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+        raise _corrupt(f"{label}: shape and data_offsets must be non-negative integers")
+    begin, end = offsets
+    count = 1
+    for size in shape:
+        count *= size
+    if end - begin != count * _ST_SIZES[dtype]:
+        raise _corrupt(f"{label}: {end - begin} bytes for shape {shape} of {dtype}")
+    return TensorEntry(dtype, tuple(shape), start + begin, start + end)
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        type(v) is int and v >= 0
+        for v in value  # bool is not a size
+    )
+
+
 def read_metadata(data: bytes | memoryview) -> dict[str, str]:
-    """An object's ``__metadata__`` (the safetensors header only; no tensor is read)."""
-    header_len = int.from_bytes(bytes(data[:8]), "little")
-    header = json.loads(bytes(data[8 : 8 + header_len]))
-    return dict(header.get("__metadata__") or {})
+    """An object's ``__metadata__`` (the safetensors header only; no tensor is read).
+
+    CorruptObjectError unless the header is well-formed (``read_safetensors_header``).
+    """
+    return read_safetensors_header(data)[0]
+
+
+def read_object(data: bytes | memoryview) -> ObjectHeader:
+    """An object's header with every part checked against its codec, before any tensor
+    is read or anything decompressed: CorruptObjectError (or ValueError naming an
+    unknown codec or version) otherwise.
+
+    Every codec: ``token_ids`` int64 [T], ``loss_mask`` (if any) uint8 [T], the
+    ``dtype`` a model dtype, ``layer_ids`` (if any) a JSON list of one integer per
+    layer. Then the states' tensors as the codec writes them: ``raw`` a float
+    ``hidden_states`` [T, L, H] of the object's dtype; ``bf16`` bfloat16; ``fp8``
+    float8_e4m3fn with float32 ``hidden_states_scales`` [T, L, 1]; ``lossless`` uint8
+    ``hidden_states.rest`` [element size - 1, T, L, H] and a one-dimensional uint8
+    ``hidden_states.exponent_zstd``.
+    """
+    metadata, tensors = read_safetensors_header(data)
+    codec = codec_of(metadata)
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; this reader knows {', '.join(CODECS)}")
+    version = metadata.get(CODEC_VERSION_KEY, "1")  # objects from before versions: 1
+    if not version.isdigit() or not 1 <= int(version) <= int(CODEC_VERSION):
+        raise ValueError(
+            f"codec version {version[:16]} is not one this reader knows (1 to {CODEC_VERSION});"
+            " upgrade hsx"
+        )
+    dtype = metadata.get("dtype")
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise _corrupt(f"dtype {dtype[:32]!r} is not one of {', '.join(MODEL_DTYPES)}")
+    if dtype is None and codec != "raw":
+        raise _corrupt(f"a {codec} object must name the dtype its states decode to")
+
+    def tensor(name: str, dtypes: Sequence[str], rank: int) -> tuple[int, ...]:
+        entry = tensors.get(name)
+        if entry is None:
+            raise _corrupt(f"a {codec} object needs the tensor {name!r}")
+        if entry.dtype not in dtypes or len(entry.shape) != rank:
+            raise _corrupt(
+                f"{name} is {entry.dtype} {list(entry.shape)}; {codec} writes {dtypes[0]}"
+            )
+        return entry.shape
+
+    tokens = tensor("token_ids", ["I64"], 1)[0]
+    if codec == "lossless":
+        element = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype or ""]
+        planes, *shape = tensor(REST_PLANES, ["U8"], 4)
+        tensor(EXPONENT_PLANE, ["U8"], 1)
+        if planes != element - 1:
+            raise _corrupt(f"{REST_PLANES} holds {planes} byte planes; {dtype} needs {element - 1}")
+    else:
+        wanted = {
+            "raw": [_ST_NAME[dtype]] if dtype else ["F32", "BF16", "F16"],
+            "bf16": ["BF16"],
+            "fp8": ["F8_E4M3"],
+        }[codec]
+        shape = list(tensor("hidden_states", wanted, 3))
+        if codec == "fp8" and tensor(SCALES, ["F32"], 3) != (*shape[:2], 1):
+            raise _corrupt(f"{SCALES} must be [T, L, 1] for states {shape}")
+    if shape[0] != tokens:
+        raise _corrupt(f"states of {shape[0]} tokens, token_ids of {tokens}")
+    if "loss_mask" in tensors and tensor("loss_mask", ["U8"], 1)[0] != tokens:
+        raise _corrupt(f"loss_mask does not hold one value per token ({tokens})")
+    layer_ids = _layer_ids(metadata, shape[1])
+    states = (shape[0], shape[1], shape[2])
+    return ObjectHeader(metadata, tensors, codec, int(version), states, dtype, layer_ids)
+
+
+def _layer_ids(metadata: Mapping[str, str], layers: int) -> tuple[int, ...] | None:
+    text = metadata.get("layer_ids")
+    if text is None:
+        return None
+    try:
+        ids = json.loads(text)
+    except (ValueError, RecursionError):
+        ids = None
+    if not _ints(ids) or len(ids) != layers:
+        raise _corrupt(f"layer_ids {text[:64]!r} is not a JSON list of {layers} layer ids")
+    return tuple(ids)
 
 
 def stored_shape(header: Mapping[str, Any]) -> tuple[int, ...]:
@@ -385,36 +606,31 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``({"hidden_states", "token_ids", ...}, metadata)`` of any object, the states in
     its dtype; other tensors (``loss_mask``) come back as stored.
 
-    Raises ValueError for a codec (or codec version) this module does not know.
+    Raises ValueError for a codec (or codec version) this module does not know, and
+    CorruptObjectError for bytes that are not a well-formed object of their codec:
+    the header is checked first (``read_object``), and a ``lossless`` exponent plane
+    is decompressed to at most the size the states' shape gives it.
     """
     import torch
     from safetensors.torch import load
 
-    metadata = read_metadata(data)
-    codec = codec_of(metadata)
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; this reader knows {', '.join(CODECS)}")
-    version = metadata.get(CODEC_VERSION_KEY, "1")  # objects from before versions: 1
-    if not version.isdigit() or not 1 <= int(version) <= int(CODEC_VERSION):
-        raise ValueError(
-            f"codec version {version} is not one this reader knows (1 to {CODEC_VERSION});"
-            " upgrade hsx"
-        )
-    tensors = load(data)
-    dtype = getattr(torch, metadata.get("dtype", ""), None)
-    if codec == "raw":
+    header = read_object(data)
+    try:
+        tensors = load(bytes(data))
+    except Exception as exc:  # checked above as strictly as safetensors checks
+        raise _corrupt(f"safetensors could not read it ({exc})") from None
+    dtype = getattr(torch, header.dtype) if header.dtype else None
+    if header.codec == "raw":
         states = tensors["hidden_states"]
-    elif not isinstance(dtype, torch.dtype):
-        raise ValueError(f"object metadata names no known dtype: {metadata.get('dtype')!r}")
-    elif codec == "fp8":
+    elif header.codec == "fp8":
         states = (tensors["hidden_states"].float() * tensors[SCALES]).to(dtype)
-    elif codec == "bf16":
+    elif header.codec == "bf16":
         states = tensors["hidden_states"].to(dtype)
     else:
-        layer_major = version != "1"
+        layer_major = header.version != 1
         states = join_planes(tensors[EXPONENT_PLANE], tensors[REST_PLANES], dtype, layer_major)
     others = {k: v for k, v in tensors.items() if k not in _CODEC_TENSORS}
-    return {"hidden_states": states, **others}, metadata
+    return {"hidden_states": states, **others}, header.metadata
 
 
 def restore(codec: Codec, prepared: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -429,14 +645,18 @@ def join_planes(
     exponent: torch.Tensor, rest: torch.Tensor, dtype: torch.dtype, layer_major: bool = True
 ) -> torch.Tensor:
     """The states ``split_planes`` stored, bit for bit. ``layer_major``: the exponent
-    plane is [L, T, H] (version 2); version 1 stored it [T, L, H]."""
+    plane is [L, T, H] (version 2); version 1 stored it [T, L, H].
+
+    CorruptObjectError when the exponent frame is not one zstd frame of exactly one
+    byte per value: refused from its declared size where it has one, else after
+    decompressing at most one byte more than the plane holds.
+    """
     import numpy as np
     import torch
-    import zstandard
 
     size = rest.shape[0] + 1
     tokens, layers, hidden = rest.shape[1:]
-    high = np.frombuffer(zstandard.ZstdDecompressor().decompress(exponent.numpy()), np.uint8)
+    high = _decompress_plane(exponent.numpy().data, tokens * layers * hidden)
     words = np.empty((tokens, layers, hidden), dtype=f"uint{8 * size}")
     if layer_major:
         words[...] = high.reshape(layers, tokens, hidden).transpose(1, 0, 2)
@@ -448,19 +668,48 @@ def join_planes(
     return torch.from_numpy(words).view(dtype)
 
 
+def _decompress_plane(frame: memoryview, expected: int) -> np.ndarray[Any, Any]:
+    """The ``expected`` bytes of an exponent plane's zstd frame, decompressing no more
+    than ``expected + 1`` bytes (and holding a window of at most about that) whatever
+    the frame claims."""
+    import numpy as np
+    import zstandard
+
+    name = EXPONENT_PLANE
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError:
+        raise _corrupt(f"{name} is not a zstd frame") from None
+    if declared not in (-1, expected):  # -1: the frame does not say
+        raise _corrupt(f"{name} declares {declared} bytes; the states have {expected} values")
+    window = max(_MIN_WINDOW, 1 << max(expected - 1, 1).bit_length())
+    out = np.empty(expected + 1, dtype=np.uint8)
+    view, filled = out.data, 0
+    try:
+        reader = zstandard.ZstdDecompressor(max_window_size=window).stream_reader(frame)
+        with reader:
+            while filled <= expected and (got := reader.readinto(view[filled:])):
+                filled += got
+    except zstandard.ZstdError as exc:
+        raise _corrupt(f"{name} does not decompress ({exc})") from None
+    if filled != expected:
+        more = "more than" if filled > expected else "only"
+        raise _corrupt(f"{name} holds {more} {filled} bytes; the states have {expected} values")
+    return out[:expected]
+
+
 def to_raw(data: bytes) -> bytes:
     """Any object as a ``raw`` one: model-dtype states, the same metadata.
 
-    A ``raw`` object comes back unchanged; others name their codec in
-    ``hsx.decoded_from``.
+    A ``raw`` object comes back unchanged once its header is checked (``read_object``);
+    others name their codec in ``hsx.decoded_from``. Raises what ``decode`` raises.
     """
     from safetensors.torch import save
 
-    metadata = read_metadata(data)
-    codec = codec_of(metadata)
-    if codec == "raw":
+    header = read_object(data)
+    if header.codec == "raw":
         return bytes(data)
     tensors, _ = decode(data)
-    meta = {**metadata, CODEC_KEY: "raw", CODEC_VERSION_KEY: CODEC_VERSION}
-    meta[DECODED_FROM_KEY] = codec
+    meta = {**header.metadata, CODEC_KEY: "raw", CODEC_VERSION_KEY: CODEC_VERSION}
+    meta[DECODED_FROM_KEY] = header.codec
     return bytes(save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta))

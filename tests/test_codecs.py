@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -393,3 +394,197 @@ def test_server_default_codec_is_a_setting_refusing_unknown_names(
     monkeypatch.setenv("HSX_STORAGE__CODEC", "zfp")
     with pytest.raises(ValidationError, match=r"storage\.codec"):
         Settings()
+
+
+# ==============================
+# Malformed objects (issue 26, finding 6): every reader is total over any bytes
+# ==============================
+
+
+def rewrite_header(data: bytes, change: Any) -> bytes:
+    """``data`` with its safetensors header JSON replaced by ``change(header)``; the
+    tensor bytes stay as they were."""
+    import json
+
+    length = int.from_bytes(data[:8], "little")
+    header = change(json.loads(data[8 : 8 + length]))
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + length :]
+
+
+def _set(path: tuple[str, ...], value: Any) -> Any:
+    def change(header: dict[str, Any]) -> Any:
+        node = header
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+        return header
+
+    return change
+
+
+def _object(codec: codecs.Codec, **meta: str) -> bytes:
+    return codecs.encode(codec, states(tokens=6, layers=2, hidden=16), ids(6), meta or None)
+
+
+def _fp8_without_scales() -> bytes:
+    tensors = load(_object("fp8"))
+    del tensors[codecs.SCALES]
+    return save(tensors, metadata=codecs.read_metadata(_object("fp8")))
+
+
+def _lossless_without_exponents() -> bytes:
+    tensors = load(_object("lossless"))
+    del tensors[codecs.EXPONENT_PLANE]
+    return save(tensors, metadata=codecs.read_metadata(_object("lossless")))
+
+
+def _raw_without_token_ids() -> bytes:
+    return save({"hidden_states": states(tokens=6)}, metadata={"dtype": "float32"})
+
+
+def _lossless_with_garbage_frame() -> bytes:
+    tensors = load(_object("lossless"))
+    frame = tensors[codecs.EXPONENT_PLANE]
+    tensors[codecs.EXPONENT_PLANE] = torch.full_like(frame, 0x5A)
+    return save(tensors, metadata=codecs.read_metadata(_object("lossless")))
+
+
+def _states_of_other_length() -> bytes:
+    return save(
+        {"hidden_states": states(tokens=6), "token_ids": ids(5)}, metadata={"dtype": "float32"}
+    )
+
+
+#: name -> (bytes, what the error says). The issue's six shapes that answered 500 come
+#: first, then the raw object with a 2^62 header length that decoded as 200, then more.
+CORRUPT: dict[str, tuple[Any, str]] = {
+    "header is a JSON list": (
+        lambda: rewrite_header(_object("fp8"), lambda h: [h]),
+        "header is a JSON list",
+    ),
+    "__metadata__ is a list": (
+        lambda: rewrite_header(_object("fp8"), _set(("__metadata__",), ["dtype", "float32"])),
+        "__metadata__ is not an object of strings",
+    ),
+    "truncated fp8": (lambda: _object("fp8")[:-40], "the tensors hold"),
+    "truncated lossless": (lambda: _object("lossless")[:-7], "the tensors hold"),
+    "fp8 with an int dtype": (
+        lambda: rewrite_header(_object("fp8"), _set(("__metadata__", "dtype"), "int64")),
+        "dtype 'int64'",
+    ),
+    "fp8 with int states": (
+        lambda: rewrite_header(_object("fp8"), _set(("hidden_states", "dtype"), "I8")),
+        "hidden_states is I8",
+    ),
+    "fp8 missing its scales": (_fp8_without_scales, "needs the tensor 'hidden_states_scales'"),
+    "lossless missing its exponents": (
+        _lossless_without_exponents,
+        "needs the tensor 'hidden_states.exponent_zstd'",
+    ),
+    "raw missing token_ids": (_raw_without_token_ids, "needs the tensor 'token_ids'"),
+    "raw with a 2^62 header length": (
+        lambda: (1 << 62).to_bytes(8, "little") + _object("raw")[8:],
+        f"a header of {1 << 62} bytes",
+    ),
+    "empty": (lambda: b"", "0 bytes"),
+    "header not JSON": (lambda: (8).to_bytes(8, "little") + b"{nope!!}", "not JSON"),
+    "header not UTF-8": (lambda: (8).to_bytes(8, "little") + b"{\xff\xfe    }", "not JSON"),
+    "offsets past the end": (
+        lambda: rewrite_header(_object("raw"), _set(("token_ids", "data_offsets"), [0, 1 << 40])),
+        "bytes for shape",
+    ),
+    "shape of other size": (
+        lambda: rewrite_header(_object("raw"), _set(("hidden_states", "shape"), [6, 2, 17])),
+        "bytes for shape",
+    ),
+    "a boolean in a shape": (
+        lambda: rewrite_header(_object("raw"), _set(("token_ids", "shape"), [True])),
+        "non-negative integers",
+    ),
+    "states and token ids disagree": (_states_of_other_length, "states of 6 tokens"),
+    "lossless planes for another dtype": (
+        lambda: rewrite_header(_object("lossless"), _set(("__metadata__", "dtype"), "bfloat16")),
+        "holds 3 byte planes; bfloat16 needs 1",
+    ),
+    "lossless frame that is not zstd": (_lossless_with_garbage_frame, "not a zstd frame"),
+    "layer_ids not a list of ids": (
+        lambda: _object("raw", layer_ids="[1, 2"),
+        "not a JSON list of 2 layer ids",
+    ),
+}
+
+
+#: Found only by decompressing: ``read_object`` reads headers, never tensor data.
+FOUND_BY_DECODING = {"lossless frame that is not zstd"}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_malformed_objects_are_refused_by_one_error(case: str) -> None:
+    make, says = CORRUPT[case]
+    data = make()
+    readers = [codecs.decode, codecs.to_raw]
+    if case not in FOUND_BY_DECODING:
+        readers.append(codecs.read_object)
+    else:
+        codecs.read_object(data)
+    for read in readers:
+        with pytest.raises(codecs.CorruptObjectError, match=re.escape(says)):
+            read(data)
+
+
+def test_every_mutation_of_an_object_decodes_or_is_refused() -> None:
+    """Truncations and flipped bytes of each codec's object, in the header and in the
+    tensors: ``decode`` returns states or raises ValueError, never anything else."""
+    rng = np.random.default_rng(26)
+    refused = 0
+    for codec in codecs.CODECS:
+        good = _object(codec, run="r")
+        header_end = 8 + int.from_bytes(good[:8], "little")
+        for cut in range(0, len(good), 7):
+            with pytest.raises(codecs.CorruptObjectError):
+                codecs.decode(good[:cut])
+        for _ in range(150):
+            data = bytearray(good)
+            where = int(rng.integers(0, header_end if rng.random() < 0.7 else len(data)))
+            data[where] = int(rng.integers(0, 256))
+            try:
+                codecs.decode(bytes(data))
+            except ValueError:
+                refused += 1
+    assert refused > 200  # most header mutations are refused
+
+
+def zstd_bomb(size: int, *, declared: bool) -> bytes:
+    """One zstd frame of ``size`` zero bytes, made in 1 MiB steps (small in memory)."""
+    compressor = zstandard.ZstdCompressor(level=1, write_content_size=declared)
+    stream = compressor.compressobj(size=size if declared else -1)
+    chunk, parts = bytes(1 << 20), []
+    for _ in range(size >> 20):
+        parts.append(stream.compress(chunk))
+    parts.append(stream.flush())
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["size-declared", "size-unknown"])
+def test_a_lossless_exponent_bomb_is_refused_without_inflating_it(declared: bool) -> None:
+    # A lossless object of 6 x 2 x 16 states whose exponent plane is a 256 MiB zstd
+    # frame: the old reader decompressed all of it before any shape check (+238 MB).
+    # Now a frame that declares its size is refused from the declaration, one that
+    # does not after at most one byte past the plane's 192.
+    import tracemalloc
+
+    bomb = zstd_bomb(256 << 20, declared=declared)
+    tensors = load(_object("lossless"))
+    tensors[codecs.EXPONENT_PLANE] = torch.frombuffer(bytearray(bomb), dtype=torch.uint8)
+    data = save(tensors, metadata=codecs.read_metadata(_object("lossless")))
+    says = "declares 268435456 bytes" if declared else "holds more than 193 bytes"
+    tracemalloc.start()
+    try:
+        with pytest.raises(codecs.CorruptObjectError, match=says):
+            codecs.decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(data) + (1 << 20), peak  # the object's copies, never the frame's

@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from service.storage.keys import new_object_key
 from tests.api.conftest import AUTH_A, KEYS, fast_settings
 from tests.api.fake import serving_in_process
+from tests.test_codecs import CORRUPT
 
 
 async def test_get_racing_delete_is_whole_or_404(app_client: httpx.AsyncClient, fake: Any) -> None:
@@ -111,3 +114,23 @@ async def test_listing_shows_only_what_get_serves_and_symlinks_out_are_404(
             assert response.json()["error"]["type"] == "not_found"
             assert str(outside) not in response.text
     assert (outside / "x.safetensors").read_bytes() == b"not an object of this store"
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+async def test_decoding_a_malformed_object_is_a_422_naming_decode(
+    app_client: httpx.AsyncClient, fake: Any, case: str
+) -> None:
+    # Issue 26, finding 6: six shapes of corruption answered 500, a raw object with a
+    # 2^62 header length 200. Every one is the same 422 now; the bytes stay readable.
+    make, says = CORRUPT[case]
+    data = make()
+    key = new_object_key("hsx", "team-a")
+    await fake.storage.put(key, data)
+    decoded = await app_client.get(f"/objects/{key}", params={"decode": "true"}, headers=AUTH_A)
+    assert decoded.status_code == 422, decoded.text
+    error = decoded.json()["error"]
+    assert (error["type"], error["field"]) == ("invalid_request", "decode")
+    assert error["message"].startswith("decode: not a well-formed hidden-state object: ")
+    assert says in error["message"]
+    as_stored = await app_client.get(f"/objects/{key}", headers=AUTH_A)
+    assert (as_stored.status_code, as_stored.content) == (200, data)

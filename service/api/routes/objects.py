@@ -4,7 +4,10 @@ A key outside the caller's namespace is a 404, exactly like a missing one, so no
 learns what other namespaces hold. Everything goes through the storage interface (its
 optional features have defaults), so every read is counted in ``hsx_storage_*``.
 ``?decode=true`` answers any object as a ``raw`` one (model-dtype states), whatever
-codec stored it.
+codec stored it; an object it cannot decode (a codec or version this server does not
+know, or bytes that are not a well-formed object of their codec: ``service.codecs``
+checks the header before reading a tensor and decompresses no more than the states'
+shape allows) is a 422 ``invalid_request`` naming ``decode``, never a 500.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ router = APIRouter()
 SAFETENSORS = "application/octet-stream"
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "No such object (or not in your namespace)"},
-    422: {"model": ErrorBody, "description": "Invalid key"},
+    422: {"model": ErrorBody, "description": "Invalid key, or an object `decode` cannot read"},
     502: {"model": ErrorBody, "description": "Storage failed"},
     503: {"model": ErrorBody, "description": "Storage unavailable"},
 }
@@ -88,7 +91,7 @@ async def decoded(storage: Storage, key: str) -> Response:
         raise not_found(key) from None
     try:
         raw = await run_in_threadpool(to_raw, data)
-    except ValueError as exc:  # a codec this server does not know
+    except ValueError as exc:  # an unknown codec or version, or CorruptObjectError
         raise ApiError(422, "invalid_request", f"decode: {exc}", field="decode") from None
     return Response(raw, media_type=SAFETENSORS)
 
