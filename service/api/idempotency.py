@@ -1,31 +1,53 @@
 """Idempotent prompts: a prompt with a ``custom_id`` is computed and stored at most once.
 
-Its key is derived from everything that decides the object (``idempotent_key``) and
-written create-only. Before the engine runs, the key is looked up: an object already
-there is returned (``found``) once its stored token ids are checked against the
-prompt's. Identical prompts in flight in this process share one engine run
-(``service.api.singleflight``); across replicas, the create-only write refuses the second
-writer, which then returns the first one's object.
+What "the same ``custom_id``" means: a custom_id names one prompt of a namespace on the
+served model (its name, layer ids and dtype). Its key is a hash of those alone
+(``idempotent_key``), so every request naming it finds the same key, whatever else it
+sends. The first request to store an object there decides what the custom_id stands
+for; a later one gets that object (``found``) only if it asks for exactly that object:
+
+* the same token ids (the stored ``token_ids`` start with the prompt's; they are the
+  prompt's alone unless generated tokens are stored);
+* the same ``codec`` (the server's default when none is named), ``layers`` (all the
+  served ones when none are named), ``loss``, ``include_output_tokens`` and, with
+  ``include_output_tokens``, ``max_tokens`` (without it, ``max_tokens`` changes
+  nothing stored); the object records these under ``hsx.request`` in its metadata;
+* the same ``metadata``: the caller's strings stored in the object, no more, no less.
+
+Anything else is ``IdempotencyConflictError`` (409 ``conflict``) naming what differs,
+and so is an object under the key that cannot be read as one (a malformed header, a
+missing tensor, a missing or malformed ``hsx.request``); the stored object is never
+touched. Identical requests in flight in this process share one engine run
+(``service.api.singleflight``); different ones do not, and the create-only write lets
+one of them store its object, the others then meeting it as above. Across replicas the
+same: the create-only write refuses the second writer, which then reads the first's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from service.api.schemas import ExtractRequest
 from service.api.state import ApiState
-from service.codecs import codec_of, stored_shape
-from service.engine.errors import IdempotencyConflictError, StorageWriteError
+from service.codecs import ObjectHeader, read_object
+from service.engine.errors import IdempotencyConflictError, InvalidPromptError, StorageWriteError
+from service.engine.objects import RESERVED_KEYS
 from service.engine.wire import Extraction
 from service.storage import NotFoundError, Storage
 from service.storage.keys import idempotent_key
 
-__all__ = ["Found", "IdempotencyConflictError", "as_found", "extract_once"]
+__all__ = ["REQUEST_KEY", "Found", "IdempotencyConflictError", "as_found", "extract_once"]
+
+#: Metadata key of the options an object under a custom_id was made with.
+REQUEST_KEY = "hsx.request"
+#: The options ``hsx.request`` records, in the order a conflict names them.
+OPTIONS = ("codec", "layers", "loss", "include_output_tokens", "max_tokens")
 
 
 class Found(Extraction):
@@ -34,33 +56,47 @@ class Found(Extraction):
     found: Literal[True] = True
 
 
+def request_options(state: ApiState, body: ExtractRequest) -> dict[str, Any]:
+    """What ``body`` asks of an object besides its token ids and metadata, resolved the
+    way the engine resolves it (the default codec, all served layers)."""
+    extractor = state.extractor
+    return {
+        "codec": str(extractor.check_codec(body.codec)),
+        "layers": list(extractor.layer_ids if body.layers is None else body.layers),
+        "loss": body.loss,
+        "include_output_tokens": body.include_output_tokens,
+        "max_tokens": body.max_tokens if body.include_output_tokens else None,
+    }
+
+
 async def extract_once(
     state: ApiState, body: ExtractRequest, custom_id: str, token_ids: list[int], **kwargs: Any
 ) -> Extraction:
     """The prompt's object: found under its key, or made now (at most once).
 
     ``kwargs`` are ``Extractor.extract``'s. Raises what it raises, and
-    IdempotencyConflictError when the stored object holds other token ids.
+    IdempotencyConflictError when the stored object is not the one this request asks
+    for (or cannot be read).
     """
     extractor = state.extractor
     assert state.storage is not None
+    metadata: dict[str, str] = dict(kwargs.get("metadata") or {})
+    if REQUEST_KEY in metadata:
+        raise InvalidPromptError(
+            f"metadata: {REQUEST_KEY!r} is set by the server on prompts with a custom_id"
+        )
     key = idempotent_key(
         state.settings.storage.key_prefix,
         kwargs["namespace"],
         custom_id=custom_id,
-        token_ids=token_ids,
         model=extractor.info.name,
         layer_ids=extractor.layer_ids,
         dtype=extractor.dtype,
-        options={
-            "loss": body.loss,
-            "output_tokens": body.max_tokens if body.include_output_tokens else 0,
-            # Only when asked for: keys of raw, all-layer objects stay what they were.
-            **({"codec": body.codec} if body.codec not in (None, "raw") else {}),
-            **({"layers": body.layers} if body.layers is not None else {}),
-        },
     )
-    check = _Check(state.storage, key, custom_id, token_ids, body.include_output_tokens)
+    options = request_options(state, body)
+    check = _Check(state.storage, key, custom_id, token_ids, options, metadata)
+    recorded = json.dumps(options, sort_keys=True, separators=(",", ":"))
+    kwargs["metadata"] = {**metadata, REQUEST_KEY: recorded}
 
     async def start() -> Extraction:
         found = await check.lookup()
@@ -70,12 +106,16 @@ async def extract_once(
             made: Extraction = await extractor.extract(token_ids, key=key, **kwargs)
             return made
         except StorageWriteError:
-            found = await check.lookup()  # another replica wrote it first (create-only)
+            found = await check.lookup()  # another writer stored it first (create-only)
             if found is None:
                 raise
             return found
 
-    result, shared = await state.flights.run(key, start)
+    # Only identical requests share a run: another request for the same custom_id
+    # must meet the stored object and be told how it differs, not inherit this one.
+    request = json.dumps([token_ids, recorded, sorted(metadata.items())], separators=(",", ":"))
+    flight = f"{key}#{hashlib.sha256(request.encode()).hexdigest()}"
+    result, shared = await state.flights.run(flight, start)
     return as_found(result) if shared else result
 
 
@@ -92,56 +132,97 @@ class _Check:
     key: str
     custom_id: str
     token_ids: Sequence[int]
-    with_output: bool
+    options: Mapping[str, Any]
+    metadata: Mapping[str, str]
 
     async def lookup(self) -> Found | None:
-        """The stored object, if any, once its token ids are checked; else None."""
+        """The stored object, if any, once it is known to be the one this request asks
+        for; None if there is none; IdempotencyConflictError otherwise."""
         try:
             data = await self.storage.get(self.key)
         except NotFoundError:
             return None
         try:
-            header, tensors = _read_header(data)
-            stored = _tensor(data, header, tensors, "token_ids", "<q")
-        except (ValueError, KeyError, TypeError, struct.error) as exc:
-            raise IdempotencyConflictError(
-                f"custom_id {self.custom_id[:64]!r}: the object stored under its key "
-                f"{self.key} is not a readable hidden-state object ({exc}); it was not "
-                "overwritten"
-            ) from exc
-        prompt = len(self.token_ids)
-        if stored[:prompt] != list(self.token_ids) or (
-            not self.with_output and len(stored) != prompt
-        ):
-            raise IdempotencyConflictError(
-                f"custom_id {self.custom_id[:64]!r}: the object stored under its key "
-                f"{self.key} holds {len(stored)} other token ids than this prompt's "
-                f"{prompt}; it was not overwritten"
+            header = read_object(data)
+            stored = _integers(header, data, "token_ids", "<i8")
+            mask = (
+                _integers(header, data, "loss_mask", "u1")
+                if "loss_mask" in header.tensors
+                else None
             )
-        mask = _tensor(data, header, tensors, "loss_mask", "<B") if "loss_mask" in tensors else None
-        meta = tensors.get("__metadata__") or {}
+            options = _recorded_options(header.metadata)
+        except ValueError as exc:  # CorruptObjectError, an unknown codec or version
+            raise self._conflict(f"is not a readable hidden-state object ({exc})") from None
+        differences = self._differences(stored, options, header.metadata)
+        if differences:
+            raise self._conflict(
+                f"was stored by a request with {'; '.join(differences)}. A custom_id names "
+                "one request: repeat it as it was to get the object, or use another custom_id"
+            )
+        prompt = len(self.token_ids)
         return Found(
             key=self.key,
             uri=self.storage.uri(self.key),
             size=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
             num_tokens=len(stored),
-            shape=stored_shape(tensors),
-            codec=codec_of(meta),
-            layer_ids=tuple(json.loads(meta.get("layer_ids", "[]"))),
+            shape=header.shape,
+            codec=header.codec,
+            layer_ids=header.layer_ids or tuple(options["layers"]),
             prompt_tokens=prompt,
             output_token_ids=tuple(stored[prompt:]),
             num_loss_tokens=sum(mask) if mask is not None else None,
         )
 
+    def _differences(
+        self, stored: list[int], options: Mapping[str, Any], metadata: Mapping[str, str]
+    ) -> list[str]:
+        """What differs between the stored object and this request, each named."""
+        found = []
+        prompt = list(self.token_ids)
+        generated = self.options["include_output_tokens"]
+        if stored[: len(prompt)] != prompt or (len(stored) != len(prompt) and not generated):
+            found.append(f"other token ids ({len(stored)} stored, {len(prompt)} in this prompt)")
+        for name in OPTIONS:
+            if options[name] != self.options[name]:
+                found.append(
+                    f"other {name} ({options[name]!r} stored, {self.options[name]!r} asked)"
+                )
+        callers = {k: v for k, v in metadata.items() if k not in RESERVED_KEYS and k != REQUEST_KEY}
+        if callers != dict(self.metadata):
+            keys = sorted(
+                k
+                for k in callers.keys() | self.metadata.keys()
+                if callers.get(k) != self.metadata.get(k)
+            )
+            found.append(
+                f"other metadata (keys {', '.join(repr(k[:64]) for k in keys[:8])} differ)"
+            )
+        return found
 
-def _read_header(data: bytes) -> tuple[int, dict[str, Any]]:
-    """safetensors: an 8-byte little-endian header length, then the JSON header."""
-    (length,) = struct.unpack_from("<Q", data, 0)
-    tensors: dict[str, Any] = json.loads(data[8 : 8 + length])
-    return 8 + length, tensors
+    def _conflict(self, what: str) -> IdempotencyConflictError:
+        return IdempotencyConflictError(
+            f"custom_id {self.custom_id[:64]!r}: the object stored under its key {self.key} "
+            f"{what}; it was not overwritten"
+        )
 
 
-def _tensor(data: bytes, start: int, tensors: dict[str, Any], name: str, fmt: str) -> list[int]:
-    begin, end = tensors[name]["data_offsets"]
-    return [v for (v,) in struct.iter_unpack(fmt, data[start + begin : start + end])]
+def _integers(header: ObjectHeader, data: bytes, name: str, dtype: str) -> list[int]:
+    """A one-dimensional integer tensor of the object (its header already checked)."""
+    values: list[int] = np.frombuffer(header.bytes_of(data, name), dtype=np.dtype(dtype)).tolist()
+    return values
+
+
+def _recorded_options(metadata: Mapping[str, str]) -> dict[str, Any]:
+    """The options an object under a custom_id records (``hsx.request``); ValueError
+    when they are missing or malformed."""
+    text = metadata.get(REQUEST_KEY)
+    if text is None:
+        raise ValueError(f"it has no {REQUEST_KEY!r} metadata")
+    try:
+        options = json.loads(text)
+    except (ValueError, RecursionError):
+        options = None
+    if not isinstance(options, dict) or set(options) != set(OPTIONS):
+        raise ValueError(f"its {REQUEST_KEY!r} metadata is not the options of a request")
+    return options

@@ -3,8 +3,9 @@
 Keys look like ``{prefix}/{namespace}/{yyyy}/{mm}/{dd}/{id}.safetensors``. The namespace
 comes from the caller's identity (its API key), the id is random and made here, so no
 client string ever becomes a key or a path. Idempotent prompts (a ``custom_id``) get
-``{prefix}/{namespace}/by-id/{hh}/{sha256}.safetensors`` instead: a hash of everything
-that decides the object's content, with no date, so a retry on any day finds it.
+``{prefix}/{namespace}/by-id/{hh}/{sha256}.safetensors`` instead: a hash of the
+namespace, the served model and the custom_id, with no date, so a retry on any day
+finds it.
 ``validate_key`` is the one gate every backend applies before touching the store.
 """
 
@@ -14,9 +15,8 @@ import hashlib
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
 
 from service.storage.base import InvalidKeyError
 
@@ -113,30 +113,27 @@ def idempotent_key(
     namespace: str,
     *,
     custom_id: str,
-    token_ids: Sequence[int],
     model: str,
     layer_ids: Sequence[int],
     dtype: str,
-    codec: str | None = None,
-    options: Mapping[str, Any] | None = None,
 ) -> str:
-    """The key of the prompt ``custom_id`` names: the same inputs, the same key.
+    """The key of the prompt ``custom_id`` names in ``namespace`` on this served model.
 
-    A SHA-256 over the namespace, the served model, its layer ids and dtype, the codec,
-    the token ids, the custom_id and the request options that change the object
-    (``options``); the client's string only ever enters the hash.
+    A SHA-256 over the namespace, the served model, its layer ids and dtype, and the
+    custom_id: what the prompt is (its token ids) and how it is stored (codec, layers,
+    loss, generated tokens, metadata) are not part of it, so one custom_id has one key
+    whatever a request sends, and a request that differs from the stored object's is
+    told so (``service.api.idempotency``) instead of making a second object. The
+    client's string only ever enters the hash.
     """
     validate_namespace(namespace)
     identity = {
-        "v": 1,
+        "v": 2,
         "namespace": namespace,
         "model": model,
         "layer_ids": list(layer_ids),
         "dtype": dtype,
-        "codec": codec,
-        "token_ids": list(token_ids),
         "custom_id": custom_id,
-        "options": dict(options or {}),
     }
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()

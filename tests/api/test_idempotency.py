@@ -1,11 +1,17 @@
 """Prompts with a ``custom_id``: one object per prompt however often it is sent.
 
-Real engine, real uvicorn, local disk. How often the engine ran is read from vLLM's own
-``vllm:request_success_total`` on ``/metrics``, as an operator would.
+What "the same custom_id" means (``service.api.idempotency``): the key is the namespace,
+the served model and the custom_id; a request gets the stored object only if it asks
+for exactly that object (token ids, codec, layers, loss, generated tokens, metadata),
+else a 409 naming what differs, and an object under the key that cannot be read is a
+409 too. Fast tests run the app around the fake extractor (real local storage); the
+engine tests run a real engine behind real uvicorn, reading how often the engine ran
+from vLLM's own ``vllm:request_success_total`` on ``/metrics``, as an operator would.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -20,13 +26,12 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import load, save
 
+from service import codecs
 from tests.api.conftest import AUTH_A, KEY_A, ServerThread
 from tests.engine.conftest import random_prompts
-
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+from tests.test_codecs import CORRUPT, rewrite_header
 
 
 def engine_runs(client: httpx.Client) -> float:
@@ -56,6 +61,8 @@ def by_id(root: Path) -> set[Path]:
     return set(base.rglob("[0-9a-f]*.safetensors")) if base.exists() else set()
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_same_request_twice(client: httpx.Client, local_engine: ServerThread) -> None:
     root = local_engine.root  # type: ignore[attr-defined]
     prompts = random_prompts([20, 45, 12], seed=61)
@@ -93,6 +100,8 @@ def test_same_request_twice(client: httpx.Client, local_engine: ServerThread) ->
     assert len(by_id(root) - files) == 2
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_sixteen_concurrent_duplicates_run_once(
     client: httpx.Client, local_url: str, local_engine: ServerThread
 ) -> None:
@@ -114,31 +123,100 @@ def test_sixteen_concurrent_duplicates_run_once(
     assert [p.relative_to(root).as_posix() for p in by_id(root) - files] == [objects[0]["key"]]
 
 
-def test_stored_object_with_other_tokens_is_refused(
+@pytest.mark.engine
+@pytest.mark.slow
+def test_the_same_custom_id_with_other_tokens_is_a_409(
     client: httpx.Client, local_engine: ServerThread
 ) -> None:
+    # Issue 26, finding 8: the key hashed the token ids, so other token ids made a
+    # second object and the README's 409 could not happen. One custom_id, one key now.
     root = local_engine.root  # type: ignore[attr-defined]
     body = {"prompts": [{"token_ids": [7, 8, 9, 10], "custom_id": "mismatch"}]}
     first = client.post("/extract", json=body, headers=AUTH_A)
     assert first.status_code == 200, first.text
     path = root / first.json()["objects"][0]["key"]
-    # Another writer's object under the same key (the key hashes the token ids, so only
-    # a foreign writer or a damaged store can produce this).
-    tensors = load(path.read_bytes())
-    tensors["token_ids"] = torch.tensor([7, 8, 9, 11])
-    foreign = save(tensors)
-    path.unlink()
-    path.write_bytes(foreign)
-    before = engine_runs(client)
+    stored, files, before = path.read_bytes(), by_id(root), engine_runs(client)
 
-    again = client.post("/extract", json=body, headers=AUTH_A)
+    other = {"prompts": [{"token_ids": [7, 8, 9, 11], "custom_id": "mismatch"}]}
+    again = client.post("/extract", json=other, headers=AUTH_A)
     assert again.status_code == 409, again.text
     error = again.json()
     assert error["error"]["type"] == "conflict"
-    assert "'mismatch'" in error["objects"][0]["error"]["message"]
-    assert "other token ids" in error["objects"][0]["error"]["message"]
-    assert path.read_bytes() == foreign  # left as it was
+    assert error["objects"][0]["error"]["type"] == "conflict"
+    message = error["objects"][0]["error"]["message"]
+    assert "'mismatch'" in message
+    assert "other token ids (4 stored, 4 in this prompt)" in message
+    assert path.read_bytes() == stored  # left as it was
+    assert by_id(root) == files  # and no second object
     assert engine_runs(client) == before
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_v1_routes_honour_custom_id_metadata_and_output_tokens(
+    client: httpx.Client, local_engine: ServerThread
+) -> None:
+    # Issue 26, finding 8: /v1/completions ignored custom_id, metadata and
+    # include_output_tokens in the extra body. They mean what they mean on /extract.
+    from tests.api.openai_helpers import served_name
+
+    root = local_engine.root  # type: ignore[attr-defined]
+    prompts = random_prompts([9, 14], seed=64)
+    body: dict[str, Any] = {
+        "model": served_name(local_engine),
+        "prompt": prompts,
+        "max_tokens": 3,
+        "custom_id": ["v1-a", "v1-b"],
+        "metadata": {"split": "train"},
+        "include_output_tokens": True,
+    }
+    before = engine_runs(client)
+    first = client.post("/v1/completions", json=body, headers=AUTH_A)
+    assert first.status_code == 200, first.text
+    params = [c["kv_transfer_params"] for c in first.json()["choices"]]
+    assert all("/by-id/" in p["key"] for p in params)
+    for p, prompt in zip(params, prompts, strict=True):
+        stored = load((root / p["key"]).read_bytes())
+        assert stored["token_ids"].tolist()[: len(prompt)] == prompt
+        assert p["num_tokens"] == len(prompt) + 2  # the generated tokens that have states
+    metas = [codecs.read_metadata((root / p["key"]).read_bytes()) for p in params]
+    assert all(m["split"] == "train" for m in metas)
+    assert_runs(client, before + 2)
+
+    again = client.post("/v1/completions", json=body, headers=AUTH_A)
+    assert again.status_code == 200, again.text
+    found = [c["kv_transfer_params"] for c in again.json()["choices"]]
+    assert [(p["key"], p["sha256"]) for p in found] == [(p["key"], p["sha256"]) for p in params]
+    assert engine_runs(client) == before + 2  # found: the engine did not run
+
+    other = client.post(
+        "/v1/completions", json={**body, "metadata": {"split": "test"}}, headers=AUTH_A
+    )
+    assert other.status_code == 409, other.text
+    error = other.json()["error"]
+    assert (error["type"], error["code"]) == ("conflict", 409)
+    messages = [o["error"]["message"] for o in other.json()["objects"]]
+    assert all("other metadata (keys 'split' differ)" in m for m in messages)
+
+    one = client.post(
+        "/v1/completions", json={**body, "custom_id": "v1-a"}, headers=AUTH_A
+    )  # a string names one prompt only
+    assert one.status_code == 400, one.text
+    assert one.json()["error"]["param"] == "custom_id"
+
+    chat = {
+        "model": served_name(local_engine),
+        "messages": [{"role": "user", "content": "once"}],
+        "custom_id": "v1-chat",
+    }
+    made = client.post("/v1/chat/completions", json=chat, headers=AUTH_A)
+    assert made.status_code == 200, made.text
+    kept = client.post("/v1/chat/completions", json=chat, headers=AUTH_A)
+    assert kept.status_code == 200, kept.text
+    assert (
+        kept.json()["kv_transfer_params"]["sha256"] == made.json()["kv_transfer_params"]["sha256"]
+    )
+    assert engine_runs(client) == before + 3
 
 
 CLIENT = """
@@ -148,6 +226,8 @@ httpx.post(url + "/extract", json=body, headers={"Authorization": "Bearer " + ke
 """
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_killed_clients_retry_gets_the_object(
     client: httpx.Client, local_url: str, local_engine: ServerThread
 ) -> None:
@@ -173,3 +253,166 @@ def test_killed_clients_retry_gets_the_object(
     assert path.read_bytes() == stored
     assert_runs(client, before + 1)
     assert not local_engine.unfinished()
+
+
+# ==============================
+# Fast: the app around the fake extractor (real tokenizer, real local storage)
+# ==============================
+
+ROW = {"token_ids": [5, 6, 7, 8], "custom_id": "row-1"}
+FIRST: dict[str, Any] = {"prompts": [ROW], "metadata": {"split": "train"}}
+
+
+async def stored_first(app_client: httpx.AsyncClient, fake: Any) -> tuple[dict[str, Any], Path]:
+    """The object ``FIRST`` stores, and its file."""
+    made = await app_client.post("/extract", json=FIRST, headers=AUTH_A)
+    assert made.status_code == 200, made.text
+    obj = made.json()["objects"][0]
+    assert obj["status"] == "created"
+    return obj, fake.storage.root / obj["key"]
+
+
+async def assert_conflict(
+    app_client: httpx.AsyncClient, fake: Any, path: Path, body: dict[str, Any], says: str
+) -> None:
+    """``body`` is a 409 whose one prompt's error says ``says``; nothing changed."""
+    stored, submitted = path.read_bytes(), fake.submitted
+    response = await app_client.post("/extract", json=body, headers=AUTH_A)
+    assert response.status_code == 409, response.text
+    answer = response.json()
+    assert answer["error"]["type"] == "conflict"
+    assert answer["error"]["index"] == 0
+    (outcome,) = answer["objects"]
+    assert outcome["error"]["type"] == "conflict"
+    assert "custom_id 'row-1'" in outcome["error"]["message"]
+    assert says in outcome["error"]["message"], outcome["error"]["message"]
+    assert path.read_bytes() == stored  # left as it was
+    assert fake.submitted == submitted  # the engine did not run
+    assert {p.name for p in path.parent.iterdir()} == {path.name}  # no second object
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"prompts": [{**ROW, "token_ids": [5, 6, 7, 9]}]}, "other token ids (4 stored, 4 in"),
+        ({"prompts": [{**ROW, "token_ids": [5, 6, 7]}]}, "other token ids (4 stored, 3 in"),
+        ({"prompts": [{**ROW, "token_ids": [5, 6, 7, 8, 9]}]}, "other token ids (4 stored, 5"),
+        ({"prompts": [{"text": "hello", "custom_id": "row-1"}]}, "other token ids"),
+        ({"codec": "fp8"}, "other codec ('raw' stored, 'fp8' asked)"),
+        ({"layers": [1, 2]}, "other layers ([1, 2, 4] stored, [1, 2] asked)"),
+        ({"loss": "all"}, "other loss ('none' stored, 'all' asked)"),
+        ({"include_output_tokens": True}, "other include_output_tokens (False stored, True"),
+        ({"metadata": {"split": "test"}}, "other metadata (keys 'split' differ)"),
+        ({"metadata": {}}, "other metadata (keys 'split' differ)"),
+        ({"metadata": {"split": "train", "n": "1"}}, "other metadata (keys 'n' differ)"),
+    ],
+)
+async def test_a_custom_id_sent_with_another_request_is_a_409_naming_it(
+    app_client: httpx.AsyncClient, fake: Any, change: dict[str, Any], says: str
+) -> None:
+    # Issue 26, finding 8: other token ids or options made a second object under the
+    # same custom_id, and other metadata answered `found` with the old metadata.
+    _, path = await stored_first(app_client, fake)
+    await assert_conflict(app_client, fake, path, {**FIRST, **change}, says)
+
+
+async def test_the_same_request_is_found_and_max_tokens_matters_with_output_tokens(
+    app_client: httpx.AsyncClient, fake: Any
+) -> None:
+    obj, path = await stored_first(app_client, fake)
+    submitted = fake.submitted
+    for same in (FIRST, {**FIRST, "codec": "raw", "layers": [1, 2, 4]}, {**FIRST, "max_tokens": 5}):
+        # The default codec and layers named, or max_tokens without output tokens (it
+        # changes nothing stored): the same object.
+        again = await app_client.post("/extract", json=same, headers=AUTH_A)
+        assert again.status_code == 200, again.text
+        found = again.json()["objects"][0]
+        assert found["status"] == "found"
+        assert (found["key"], found["sha256"], found["bytes"]) == (
+            obj["key"],
+            obj["sha256"],
+            obj["bytes"],
+        )
+    assert fake.submitted == submitted
+    assert codecs.read_metadata(path.read_bytes())["split"] == "train"
+
+    generating = {**FIRST, "prompts": [{**ROW, "custom_id": "gen"}]}
+    generating |= {"include_output_tokens": True, "max_tokens": 3}
+    made = await app_client.post("/extract", json=generating, headers=AUTH_A)
+    assert made.status_code == 200, made.text
+    longer = await app_client.post("/extract", json={**generating, "max_tokens": 4}, headers=AUTH_A)
+    assert longer.status_code == 409, longer.text
+    assert "other max_tokens (3 stored, 4 asked)" in longer.json()["objects"][0]["error"]["message"]
+
+
+async def test_different_requests_in_flight_for_one_custom_id_never_share_a_run(
+    app_client: httpx.AsyncClient, fake: Any
+) -> None:
+    # Concurrent requests shared one run by key: a request with other token ids joined
+    # the first one's run and was answered `found` with the first one's object.
+    fake.held.add(4)
+    first = asyncio.ensure_future(app_client.post("/extract", json=FIRST, headers=AUTH_A))
+    other = {**FIRST, "prompts": [{**ROW, "token_ids": [1, 2, 3, 4]}]}
+    second = asyncio.ensure_future(app_client.post("/extract", json=other, headers=AUTH_A))
+    while fake.waiting < 2:  # both past their lookup, in the "engine"
+        await asyncio.sleep(0.01)
+    fake.gate.set()
+    answers = {r.status_code: r for r in await asyncio.gather(first, second)}
+    assert sorted(answers) == [200, 409], [r.text for r in answers.values()]
+    winner = answers[200].json()["objects"][0]
+    assert winner["status"] == "created"
+    stored = load((fake.storage.root / winner["key"]).read_bytes())["token_ids"].tolist()
+    loser = answers[409].json()["objects"][0]["error"]["message"]
+    assert "other token ids (4 stored, 4 in this prompt)" in loser
+    assert stored in ([5, 6, 7, 8], [1, 2, 3, 4])
+
+
+async def test_metadata_the_server_records_cannot_be_sent_with_a_custom_id(
+    app_client: httpx.AsyncClient,
+) -> None:
+    body = {**FIRST, "metadata": {"hsx.request": "{}"}}
+    response = await app_client.post("/extract", json=body, headers=AUTH_A)
+    assert response.status_code == 422, response.text
+    message = response.json()["objects"][0]["error"]["message"]
+    assert "metadata: 'hsx.request' is set by the server" in message
+
+
+def _with_request_record(data: bytes, record: str | None) -> bytes:
+    def change(header: dict[str, Any]) -> dict[str, Any]:
+        if record is None:
+            del header["__metadata__"]["hsx.request"]
+        else:
+            header["__metadata__"]["hsx.request"] = record
+        return header
+
+    return rewrite_header(data, change)
+
+
+#: Stored objects whose token ids match the prompt's but that cannot be read as an
+#: object under a custom_id (issue 26, finding 7: these answered 500).
+UNREADABLE: dict[str, Any] = {
+    "layer_ids not JSON": lambda good: rewrite_header(
+        good, lambda h: {**h, "__metadata__": {**h["__metadata__"], "layer_ids": "[1,"}}
+    ),
+    "a number in __metadata__": lambda good: rewrite_header(
+        good, lambda h: {**h, "__metadata__": {**h["__metadata__"], "n": 1}}
+    ),
+    "no hidden_states": lambda good: save(
+        {"token_ids": load(good)["token_ids"]}, metadata=codecs.read_metadata(good)
+    ),
+    "no hsx.request": lambda good: _with_request_record(good, None),
+    "hsx.request not JSON": lambda good: _with_request_record(good, "{codec"),
+    "hsx.request a list": lambda good: _with_request_record(good, "[]"),
+    **{name: lambda good, make=make: make() for name, (make, _) in CORRUPT.items()},
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+async def test_an_unreadable_object_under_a_custom_id_is_a_409(
+    app_client: httpx.AsyncClient, fake: Any, case: str
+) -> None:
+    _, path = await stored_first(app_client, fake)
+    broken = UNREADABLE[case](path.read_bytes())
+    path.unlink()
+    path.write_bytes(broken)
+    await assert_conflict(app_client, fake, path, FIRST, "is not a readable hidden-state object (")

@@ -65,15 +65,7 @@ def test_namespace_of() -> None:
     assert namespace_of(new_object_key("", "b"), "") == "b"
 
 
-IDENTITY = {
-    "custom_id": "row-17",
-    "token_ids": [1, 2, 3],
-    "model": "m",
-    "layer_ids": [2, 4],
-    "dtype": "float32",
-    "codec": None,
-    "options": {"loss": "none"},
-}
+IDENTITY = {"custom_id": "row-17", "model": "m", "layer_ids": [2, 4], "dtype": "float32"}
 
 
 def test_idempotent_keys_are_deterministic_and_dateless() -> None:
@@ -87,17 +79,12 @@ def test_idempotent_keys_are_deterministic_and_dateless() -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [
-        {"custom_id": "row-18"},
-        {"token_ids": [1, 2, 4]},
-        {"model": "other"},
-        {"layer_ids": [2, 3]},
-        {"dtype": "bfloat16"},
-        {"codec": "zstd"},
-        {"options": {"loss": "assistant"}},
-    ],
+    [{"custom_id": "row-18"}, {"model": "other"}, {"layer_ids": [2, 3]}, {"dtype": "bfloat16"}],
 )
 def test_idempotent_keys_change_with_every_input(change: dict[str, object]) -> None:
+    # The namespace and the served model, and the custom_id within them: what a request
+    # sends (token ids, codec, loss, ...) is checked against the stored object instead
+    # (issue 26, finding 8), so one custom_id has one key.
     base = idempotent_key("hsx", "team-a", **IDENTITY)
     assert idempotent_key("hsx", "team-a", **{**IDENTITY, **change}) != base
     assert idempotent_key("hsx", "team-b", **IDENTITY) != base
