@@ -21,7 +21,9 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.errors import ApiError
+from service.api.schemas import MAX_CUSTOM_ID, MetadataKey, MetadataValue
 from service.codecs import Codec
+from service.engine.objects import RESERVED_KEYS
 from service.masks import LossMode
 
 
@@ -193,6 +195,9 @@ def refuse_unsupported(body: Any) -> None:
             raise OpenAIError(400, f"{refusal.field}: {refusal.reason}", param=refusal.field)
 
 
+CustomId = Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID)]
+
+
 class HsxExtras(BaseModel):
     """hsx's fields in a request's extra body (``extra_body`` of OpenAI's clients),
     typed as on ``/extract``; whether the server offers them is checked after."""
@@ -203,12 +208,32 @@ class HsxExtras(BaseModel):
     layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     # As on /extract; ``assistant`` and ``last_turn`` need a chat request.
     loss: LossMode = "none"
+    # As on /extract: a string for a request of one prompt, else one per prompt.
+    custom_id: CustomId | list[CustomId] | None = None
+    metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=64)
+    include_output_tokens: bool = False
+
+    def custom_ids(self, prompts: int) -> list[str | None]:
+        """Each prompt's ``custom_id`` (None without one); 400 naming ``custom_id``
+        unless there is one per prompt, all different."""
+        given = self.custom_id
+        if given is None:
+            return [None] * prompts
+        ids = [given] if isinstance(given, str) else given
+        if len(ids) != prompts or len(set(ids)) != len(ids):
+            message = f"custom_id: give {prompts} different ids, one per prompt, in order"
+            raise OpenAIError(400, message, param="custom_id")
+        return list(ids)
 
 
 def hsx_extras(body: Any) -> HsxExtras:
-    """The ``codec``, ``layers`` and ``loss`` a client sent; 400 naming the field if mistyped."""
+    """hsx's extra fields a client sent; 400 naming the field if mistyped."""
     try:
-        return HsxExtras.model_validate(body.model_extra or {})
+        extras = HsxExtras.model_validate(body.model_extra or {})
+        reserved = sorted(RESERVED_KEYS & extras.metadata.keys())
+        if reserved:
+            raise OpenAIError(400, f"metadata: keys {reserved} are reserved", param="metadata")
+        return extras
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = first["loc"]

@@ -171,6 +171,7 @@ async def _checked(
         refuse_unsupported(body)
         max_tokens = requested_max_tokens(body, "max_completion_tokens", "max_tokens")
         extras = hsx_extras(body)
+        extras.custom_ids(prompts)  # one per prompt, before anything is rendered
         check_codec_params(state.extractor, extras.codec, extras.layers)
         check_request_limits(prompts, max_tokens, state.settings.limits)
         _check_text(state, body, max_tokens)
@@ -246,11 +247,16 @@ async def _extract(
     spans: list[PromptSpans],
 ) -> list[Any]:
     """Run the prompts exactly as ``/extract`` does; every object durable, or an error."""
+    ids = extras.custom_ids(len(prompts))
     body = ExtractRequest.model_construct(
-        prompts=[PromptObject.model_construct(token_ids=p) for p in prompts],
+        prompts=[
+            PromptObject.model_construct(token_ids=p, custom_id=i)
+            for p, i in zip(prompts, ids, strict=True)
+        ],
         max_tokens=max_tokens,
-        include_output_tokens=False,
-        metadata={},
+        include_output_tokens=extras.include_output_tokens,
+        metadata=extras.metadata,
+        loss=extras.loss,
         codec=extras.codec,
         layers=extras.layers,
     )
