@@ -58,9 +58,18 @@ def verify_dataset(output: str, endpoint: str, api_key: str | None = None) -> Ve
 
 
 def export_speculators(
-    output: str, dest: str | Path, endpoint: str, api_key: str | None = None
+    output: str,
+    dest: str | Path,
+    endpoint: str,
+    api_key: str | None = None,
+    allow_partial: bool = False,
 ) -> int:
-    """Write the speculators training layout of a run into ``dest``; the sample count."""
+    """Write the speculators training layout of a run into ``dest``; the sample count.
+
+    A run with undecided rows is refused (``ExportError``) unless ``allow_partial``.
+    """
     from service.dataset.export import export_speculators_async
 
-    return asyncio.run(export_speculators_async(output, dest, endpoint, api_key))
+    return asyncio.run(
+        export_speculators_async(output, dest, endpoint, api_key, allow_partial=allow_partial)
+    )

@@ -28,15 +28,29 @@ class Recorder:
         count_record(self.counters, record)
 
     def flush(self, force: bool = True) -> None:
-        """Write the buffered lines (unless the store's interval has not passed)."""
+        """Write the buffered lines (unless the store's interval has not passed).
+
+        Lines a failed write did not take go back to the front of the buffers, so the
+        next flush (the run's last one, at the latest) writes them or raises again: a
+        failure is never lost with a flush whose caller was cancelled.
+        """
         if not force and time.monotonic() - self.flushed < self.store.flush_interval_s:
             return
         self.flushed = time.monotonic()
         with self.lock:  # a cancelled to_thread keeps running: never two flushes at once
             manifest, self.manifest = self.manifest, []
             errors, self.errors = self.errors, []
-            self.store.append(MANIFEST, manifest)
-            self.store.append(ERRORS, errors)
+            try:
+                self.store.append(MANIFEST, manifest)
+            except BaseException:
+                self.manifest[:0] = manifest
+                self.errors[:0] = errors
+                raise
+            try:
+                self.store.append(ERRORS, errors)
+            except BaseException:
+                self.errors[:0] = errors
+                raise
 
 
 def count_record(counters: Counters, record: Record) -> None:

@@ -143,6 +143,7 @@ class Run:
         total = await asyncio.to_thread(self.source.count)
         shards = self.options.shard[1] if self.options.shard else 1
         counters = counters_from(records, expected=-(-total // shards))
+        self.total = total
         await asyncio.to_thread(self.write_job, total)
         self.recorder = Recorder(self.store, records, counters)
         self.display = Display(counters, self.options.progress)
@@ -157,7 +158,7 @@ class Run:
             try:
                 await self.feed(records)
             except Exception as exc:  # a reader failing mid-file, or a bug: stop, never hang
-                self.stop(f"cannot read the input past row {self.shard_rows}: {describe(exc)}")
+                self.stop(f"cannot read the input {self.options.input}: {describe(exc)}")
             await self.settled.wait()
         finally:
             for task in workers:
@@ -185,9 +186,11 @@ class Run:
 
     async def finish(self, records: dict[int, Record]) -> Summary:
         if self.stopped is not None:  # rows past the stop point still count as input rows
-            # The input may have broken mid-file: then the rows read so far count.
-            with contextlib.suppress(Exception):
+            try:
                 self.shard_rows = await asyncio.to_thread(self.count_shard_rows)
+            except Exception:  # the input broke mid-file: its row count from the start
+                if self.options.shard is None:
+                    self.shard_rows = self.total
         elapsed = time.monotonic() - self.started
         summary = summarise(records, self.shard_rows, self.stopped, elapsed)
         await asyncio.to_thread(self.store.write, SUMMARY, dumps(summary))
@@ -531,6 +534,9 @@ def objects_of(response: httpx.Response, count: int) -> dict[int, dict[str, Any]
             value = obj.get(name)
             if not isinstance(value, kinds) or isinstance(value, bool):
                 raise BadResponse(f"objects[{number}].{name} is missing or not {kinds.__name__}")
+        loss = obj.get("num_loss_tokens")
+        if loss is not None and (not isinstance(loss, int) or isinstance(loss, bool)):
+            raise BadResponse(f"objects[{number}].num_loss_tokens is not int")
         if not 0 <= obj["index"] < count:
             raise BadResponse(f"objects[{number}].index {obj['index']} is not a prompt's")
         out[obj["index"]] = obj

@@ -284,6 +284,28 @@ def test_an_endpoint_answering_200_with_the_wrong_body_stops_the_run_not_a_hang(
     assert err[2] == f"hsx dataset: stopping: {summary['stopped']}"
 
 
+def test_the_servers_own_answer_passes_the_checks_that_find_bad_responses() -> None:
+    """objects_of checks a 200 against hsx's own response schema (service/api/schemas.py):
+    the schema's example, as the server serialises it, is accepted; with loss tokens too."""
+    import httpx
+
+    from service.api.schemas import ExtractResponse
+
+    example = ExtractResponse.model_json_schema()["examples"][0]
+    answer = ExtractResponse.model_validate(example)
+    answer.objects[0].num_loss_tokens = 3
+    for body in (ExtractResponse.model_validate(example), answer):
+        response = httpx.Response(
+            200, content=body.model_dump_json(), headers={"Content-Type": "application/json"}
+        )
+        objects = runner.objects_of(response, 1)
+        assert list(objects) == [0]
+        assert objects[0]["key"] == example["objects"][0]["key"]
+    # The same answer to a request without prompts names a prompt it did not have.
+    with pytest.raises(runner.BadResponse, match=r"objects\[0\]\.index 0 is not a prompt's"):
+        runner.objects_of(httpx.Response(200, content=answer.model_dump_json()), 0)
+
+
 def test_a_proxy_page_beside_a_good_replica_only_costs_retries(
     tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -457,6 +479,36 @@ def test_rows_a_bug_loses_stop_the_run(
     assert summary["stopped"] == (
         "internal error: 10 rows are neither queued, in flight nor decided"
     )
+    assert stderr_lines(capsys) == [f"hsx dataset: stopping: {summary['stopped']}"]
+
+
+def test_an_input_that_breaks_mid_file_stops_the_run(
+    tmp_path: Path,
+    servers: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A reader failing past the first rows (a truncated Parquet file, a dropped mount)."""
+    iter_rows = runner.iter_rows
+
+    def breaking(source: Any, id_column: str = "custom_id") -> Any:
+        for row in iter_rows(source, id_column):
+            if row.index == 6:
+                raise OSError(5, "Input/output error")
+            yield row
+
+    server = servers(stored)
+    monkeypatch.setattr(runner, "iter_rows", breaking)
+    source = write_input(tmp_path / "rows.jsonl", token_rows(10))
+    code, elapsed = dataset_run(tmp_path, source, [server.url])
+    assert elapsed < LIMIT_S
+    assert code == 1
+    summary = assert_accounted(tmp_path, code, 10)
+    assert summary["stopped"] == (
+        f"cannot read the input {source}: OSError: [Errno 5] Input/output error"
+    )
+    assert summary["ok"] + summary["pending"] == 10  # rows 0-5 read; those sent are ok
+    assert summary["ok"] <= 6
     assert stderr_lines(capsys) == [f"hsx dataset: stopping: {summary['stopped']}"]
 
 
