@@ -424,7 +424,9 @@ class Run:
     ) -> None:
         for position, item in enumerate(batch):
             obj = objects.get(position)
-            if obj is None:  # not expected from hsx; send it again
+            if obj is None:  # not expected from hsx: an attempt, so it cannot loop forever
+                item.attempts += 1
+                item.last_error = f"{endpoint.url}: bad_response: 200 without this prompt's object"
                 await self.requeue([item])
                 continue
             await self.record_object(endpoint, item, obj)
@@ -540,6 +542,8 @@ def objects_of(response: httpx.Response, count: int) -> dict[int, dict[str, Any]
         if not 0 <= obj["index"] < count:
             raise BadResponse(f"objects[{number}].index {obj['index']} is not a prompt's")
         out[obj["index"]] = obj
+    if count and not out:
+        raise BadResponse(f"200 without any of the {count} prompts' objects")
     return out
 
 

@@ -255,8 +255,9 @@ def test_a_row_that_cannot_be_encoded_fails_alone_as_invalid_row(
         (b'{"objects": [{"ind', "bad_response: 200 with a body that is not JSON (text/html)"),
         (b"[]", "bad_response: 200 without an objects list (text/html): []"),
         (b'{"objects": [{"index": 0}]}', "bad_response: objects[0].key is missing or not str"),
+        (b'{"objects": []}', "bad_response: 200 without any of the 8 prompts' objects"),
     ],
-    ids=["html", "truncated", "a-list", "no-key"],
+    ids=["html", "truncated", "a-list", "no-key", "no-objects"],
 )
 def test_an_endpoint_answering_200_with_the_wrong_body_stops_the_run_not_a_hang(
     tmp_path: Path,
@@ -282,6 +283,41 @@ def test_an_endpoint_answering_200_with_the_wrong_body_stops_the_run_not_a_hang(
     assert err[0].startswith(f"hsx dataset: warning: {proxy.url}: {reason}")
     assert err[1].startswith(f"hsx dataset: dropping {proxy.url} after 3 errors in a row (last: ")
     assert err[2] == f"hsx dataset: stopping: {summary['stopped']}"
+
+
+def test_a_prompt_the_server_never_answers_runs_out_of_retries(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 200 that leaves out one prompt's object: that prompt is sent again, as an
+    attempt, so it ends failed (retryable) instead of going round forever."""
+    never = json.loads(token_rows(6)[4])["token_ids"]
+
+    def all_but_one(body: dict[str, Any]) -> Reply:
+        status, headers, reply = stored(body)
+        prompts = body["prompts"]
+        reply["objects"] = [
+            o for o in reply["objects"] if prompts[o["index"]]["token_ids"] != never
+        ]
+        return status, headers, reply
+
+    server = servers(all_but_one)
+    source = write_input(tmp_path / "rows.jsonl", token_rows(6))
+    code, elapsed = dataset_run(tmp_path, source, [server.url], "--retries", "3")
+    assert elapsed < LIMIT_S
+    assert code == 1
+    summary = assert_accounted(tmp_path, code, 6)
+    assert (summary["ok"], summary["failed"], summary["pending"]) == (5, 1, 0)
+    (failed,) = [line for line in read_manifest(tmp_path) if line["status"] == "failed"]
+    assert failed["row"] == 4
+    # Left out of a batch, or (sent alone at the end) an answer without any object.
+    assert failed["reason"] in {
+        f"gave_up: 4 attempts, last: {server.url}: bad_response: 200 without {what}"
+        for what in ("this prompt's object", "any of the 1 prompts' objects")
+    }
+    assert failed["retryable"] is True
+    sent = [p["token_ids"] for b in server.bodies for p in b["prompts"]]
+    assert sent.count(never) == 4
+    assert all(": bad_response: 200 without " in line for line in stderr_lines(capsys))
 
 
 def test_the_servers_own_answer_passes_the_checks_that_find_bad_responses() -> None:
