@@ -6,7 +6,7 @@ EXTRAS ?= cpu,s3,dev,demo
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 
-.PHONY: install test lint fmt bench serve clean helm prometheus
+.PHONY: install test test-fast lint fmt bench serve clean helm prometheus
 
 install: $(STAMP)
 
@@ -56,6 +56,10 @@ fmt: $(STAMP)
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop: every test that starts no vLLM engine.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not engine" -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
