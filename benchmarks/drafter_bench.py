@@ -1,0 +1,486 @@
+"""The drafter proof (issue 25): EAGLE-3 drafters trained on hsx's states are as good as
+drafters trained on a transformers reference, and a corrupted control is clearly worse.
+
+``python -m benchmarks.drafter_bench [--quick]`` (also ``python -m benchmarks.run --only
+drafter_bench``, which rewrites just these rows of ``docs/benchmarks.md``). Every step is
+real and runs on this CPU:
+
+1. an hsx server on the demo model (SmolLM2-135M-Instruct, float32, layers
+   [2, 15, 27, 30]) answers each seed question of ``benchmarks/drafter/questions.txt``
+   greedily through ``/v1/chat/completions``: the conversations are the target's own;
+2. ``hsx dataset run --loss assistant`` stores their hidden states twice, with the
+   ``raw`` and the ``fp8`` codec, and ``hsx dataset export --format speculators``
+   writes each as speculators' data directory: arms (a) and (b);
+3. ``benchmarks.drafter.reference`` recomputes every sample's states with transformers
+   in float32 (arm (c)) and writes an all-zero copy (arm (d), vLLM #46301's failure);
+4. ``speculators train`` (its own code, through ``benchmarks.drafter.train_cpu``'s three
+   CPU patches) trains one EAGLE-3 drafter per arm, same seed and schedule;
+5. ``benchmarks.drafter.evaluate`` scores each drafter on the held-out conversations,
+   on the reference states, against the target's greedy next token;
+6. ``benchmarks.drafter.vllm_accept`` runs each drafter in vLLM's EAGLE-3 speculative
+   decoding on the held-out questions and reads vLLM's mean acceptance length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.storage_bench import Row, Timer
+
+REPO = Path(__file__).resolve().parent.parent
+QUESTIONS = Path(__file__).resolve().parent / "drafter" / "questions.txt"
+#: Every HOLDOUT_EVERY-th question is held out: scored, never trained on.
+HOLDOUT_EVERY = 8
+SEED = 0
+DRAFT_VOCAB = 8192
+SEQ_LEN = 512
+#: The aux layers the drafter reads; hsx serves them plus the last layer (30), which
+#: speculators takes as the verifier's final states (the loss targets).
+TARGET_LAYERS = (2, 15, 27)
+ARMS = {
+    "a": "(a) hsx raw",
+    "b": "(b) hsx fp8",
+    "c": "(c) transformers reference",
+    "d": "(d) all-zero states (control)",
+}
+ROW_PREFIXES = ("drafter ",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """How much work one run does."""
+
+    questions: int  # seed questions used (the first N of the file)
+    max_tokens: int  # longest greedy response
+    epochs: int
+
+
+FULL = Size(questions=402, max_tokens=128, epochs=3)
+#: Shows the pipeline end to end, not the gap: too few rows and one epoch.
+QUICK = Size(questions=48, max_tokens=48, epochs=1)
+
+_HELD = FULL.questions // HOLDOUT_EVERY
+NOTES = f"""- **drafter proof (issue 25), data**: {FULL.questions} seed questions
+  (`benchmarks/drafter/questions.txt`, written from templates: capitals, animals,
+  science, how-tos, poems, code, arithmetic, translations), each answered by the demo
+  model itself (SmolLM2-135M-Instruct, float32) through hsx's `/v1/chat/completions`,
+  greedy, at most {FULL.max_tokens} tokens (speculators' advice: regenerate the
+  responses with the target). Every {HOLDOUT_EVERY}th conversation is held out
+  ({_HELD}), the other {FULL.questions - _HELD} train. `hsx dataset run --loss
+  assistant` (codec `raw`, then `fp8`) and `hsx dataset export --format speculators`
+  make arms (a) and (b); arm (c) is the same samples' states from a transformers
+  float32 forward (`benchmarks/drafter/reference.py`), arm (d) the same files with
+  every state zero, as vLLM #46301 returned them. Ids, masks and `token_freq.pt` are
+  the same in all four, so the arms differ only in their hidden states.
+- **drafter training**: `speculators train` 0.9.0 itself, once per arm, one after
+  the other: EAGLE-3, one draft layer, draft vocabulary {DRAFT_VOCAB} (built from
+  `token_freq.pt`, so the same in every arm), aux layers {list(TARGET_LAYERS)} plus
+  layer 30 as the verifier's states, `--total-seq-len {SEQ_LEN} --epochs {FULL.epochs}
+  --seed {SEED}`, its default schedule (Muon on 2-D weights plus AdamW, lr 1e-3, 1%
+  warmup then linear decay, 3 TTT steps, KL loss), float32; the held-out rows are its
+  validation split, never trained on. On this CPU it runs through
+  `benchmarks/drafter/train_cpu.py`, which patches three helpers that assume a CUDA
+  device (the batch's `.to(local_rank)` target, the step timer's
+  `torch.accelerator.synchronize`, the resume device) and then calls speculators' own
+  CLI, with `--draft-attn-impl sdpa` (flex attention needs a compiler backend),
+  `--loss-implementation eager` and `--num-workers 0`. Random: the drafter's initial
+  weights and the packing order (seed {SEED} in every arm); real: the model, its
+  answers, their states, speculators' trainer.
+- **drafter top-1 agreement**: every drafter reads the held-out samples' reference
+  states (what the target hands its drafter at inference) through speculators'
+  `ArrowDataset` and `shift_batch` and runs its own 3-step test-time rollout
+  (`benchmarks/drafter/evaluate.py`). Its token, mapped through `d2t`, is compared
+  with the target's greedy next token from the transformers forward (argmax over the
+  full 49152-token vocabulary, so a token outside the draft vocabulary is a miss)
+  wherever the loss mask is set. Steps 1 and 2 are teacher-forced, as in speculators'
+  validation: agreement given that the earlier steps were right. Targets: (a) and (b)
+  within 0.02 of (c); (d) at least 0.1 below (c).
+- **drafter acceptance length**: each checkpoint, as `speculators train` saved it, is
+  the drafter of vLLM's own EAGLE-3 speculative decoding on the CPU build
+  (`benchmarks/drafter/vllm_accept.py`: target in float32, 3 draft tokens, greedy,
+  eager mode, one engine per drafter) over the held-out questions; the row is vLLM's
+  mean acceptance length, 1 + accepted draft tokens / drafts, from its `spec_decode`
+  counters. The teacher-forced row is the same quantity estimated from the rollout
+  the top-1 rows score (per held-out position: leading correct steps of 3, plus the
+  bonus token). `--quick` ({QUICK.questions} questions, {QUICK.max_tokens} tokens,
+  {QUICK.epochs} epoch) shows the pipeline, not the gap.
+"""
+
+
+async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
+    """The drafter rows: held-out top-1 agreement of arms (a)-(d), acceptance lengths
+    (teacher-forced estimate and vLLM's), and what the run cost."""
+    del timer  # nothing here is a timed pair; wall times are reported as information
+    size = QUICK if quick else FULL
+    work = scratch / "drafter"
+    work.mkdir(parents=True, exist_ok=True)
+    model = await asyncio.to_thread(_demo_model)
+    clock: dict[str, float] = {}
+    train_q, held_q = split(load_questions(size.questions))
+    async with _timed(clock, "hsx"), hsx_server(model, work) as url:
+        conversations = await respond(url, model.name, train_q + held_q, size.max_tokens)
+        exports = {
+            codec: await extract_and_export(url, conversations, codec, work)
+            for codec in ("raw", "fp8")
+        }
+    async with _timed(clock, "reference"):
+        errors = await reference_arms(model, exports, work, holdout=len(train_q))
+    data = {
+        "a": exports["raw"],
+        "b": exports["fp8"],
+        "c": work / "reference",
+        "d": work / "control",
+    }
+    checkpoints, peaks = {}, []
+    for arm, path in data.items():
+        async with _timed(clock, f"train {arm}"):
+            checkpoints[arm], peak = await train(model, path, work / f"drafter-{arm}", size)
+        peaks.append(peak)
+    async with _timed(clock, "score"):
+        scores = await evaluate(data["c"], len(train_q), checkpoints)
+    async with _timed(clock, "vLLM"):
+        accepted = await vllm_acceptance(model, checkpoints, held_q, size.max_tokens, work)
+    found = rows(scores, errors, clock, peaks, len(train_q), len(held_q), size)
+    found.insert(len(ARMS) + 1, acceptance_row(accepted, len(held_q)))
+    return found
+
+
+def _demo_model() -> Path:
+    from service.demo_model import DEMO_DIR, prepare
+
+    return prepare(REPO / DEMO_DIR)
+
+
+@contextlib.asynccontextmanager
+async def _timed(clock: dict[str, float], name: str) -> AsyncIterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        clock[name] = time.perf_counter() - start
+
+
+def load_questions(count: int) -> list[str]:
+    """The first ``count`` seed questions (the file is in a fixed shuffled order)."""
+    questions = [q for q in QUESTIONS.read_text().splitlines() if q.strip()]
+    return questions[:count]
+
+
+def split(questions: list[str]) -> tuple[list[str], list[str]]:
+    """(training questions, held-out questions): every HOLDOUT_EVERY-th is held out."""
+    held = [q for i, q in enumerate(questions) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+    train = [q for i, q in enumerate(questions) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
+    return train, held
+
+
+@contextlib.asynccontextmanager
+async def hsx_server(model: Path, work: Path) -> AsyncIterator[str]:
+    """An open hsx (no keys) on ``model`` in float32 with the default EAGLE-3 layers,
+    objects under ``work``; yields its URL."""
+    from benchmarks.api_bench import _serve
+    from service.config import Settings
+    from service.engine.extractor import Extractor
+
+    settings = Settings(
+        engine={
+            "model": str(model),
+            "dtype": "float32",
+            "max_model_len": 1024,
+            "cpu_kvcache_space_gib": 1,
+        },
+        storage={"url": str(work / "objects")},
+        limits={"max_prompts": 64, "max_queued_prompts": 4096},
+    )
+    extractor = await Extractor.start(settings)
+    try:
+        server, task, url = await _serve(settings, extractor)
+        try:
+            yield url
+        finally:
+            server.should_exit = True
+            await task
+    finally:
+        await extractor.close()
+
+
+async def respond(
+    url: str, model: str, questions: list[str], max_tokens: int
+) -> list[list[dict[str, str]]]:
+    """Each question with the target's own greedy answer, as a conversation."""
+    import httpx
+
+    limit = asyncio.Semaphore(16)
+
+    async def one(client: httpx.AsyncClient, question: str) -> list[dict[str, str]]:
+        user = {"role": "user", "content": question}
+        body = {"model": model, "messages": [user], "max_tokens": max_tokens, "temperature": 0}
+        async with limit:
+            response = await client.post(f"{url}/v1/chat/completions", json=body)
+        response.raise_for_status()
+        answer = response.json()["choices"][0]["message"]["content"]
+        return [user, {"role": "assistant", "content": answer}]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        return await asyncio.gather(*(one(client, q) for q in questions))
+
+
+async def extract_and_export(
+    url: str, conversations: list[list[dict[str, str]]], codec: str, work: Path
+) -> Path:
+    """``hsx dataset run`` with ``codec`` and loss masks on the assistant turns, then
+    ``hsx dataset export --format speculators``; the exported directory."""
+    source = work / f"conversations-{codec}.jsonl"
+    # custom_ids of its own per codec: the same id would find the other run's object.
+    source.write_text(
+        "".join(
+            json.dumps({"custom_id": f"{codec}-{i:04d}", "messages": messages}) + "\n"
+            for i, messages in enumerate(conversations)
+        )
+    )
+    output, dest = work / f"run-{codec}", work / f"export-{codec}"
+    await _child(
+        "service", "dataset", "run", str(source), "--endpoint", url, "--output", str(output),
+        "--loss", "assistant", "--codec", codec, "--concurrency", "4", "--batch-size", "8",
+        "--no-progress",
+    )  # fmt: skip
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["ok"] == len(conversations), summary
+    await _child(
+        "service", "dataset", "export", str(output), str(dest), "--format", "speculators",
+        "--endpoint", url,
+    )  # fmt: skip
+    return dest
+
+
+async def reference_arms(
+    model: Path, exports: dict[str, Path], work: Path, holdout: int
+) -> dict[str, list[float]]:
+    """Arms (c) and (d) under ``work``; the worst relative error per layer of the raw
+    and fp8 states against the reference."""
+    out = await _child(
+        "benchmarks.drafter.reference", str(model), str(exports["raw"]),
+        str(work / "reference"), str(work / "control"), str(holdout), str(exports["fp8"]),
+    )  # fmt: skip
+    errors: dict[str, list[float]] = _last_json(out)["worst_relative_error"]
+    return errors
+
+
+def train_args(model: Path, data: Path, save: Path, size: Size, ratio: float) -> list[str]:
+    """``speculators train`` flags of every arm: only the data path and output differ."""
+    return [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(model),
+        "--data-path", str(data),
+        "--save-path", str(save),
+        "--log-dir", str(save / "logs"),
+        "--seed", str(SEED),
+        "--epochs", str(size.epochs),
+        "--draft-vocab-size", str(DRAFT_VOCAB),
+        "--total-seq-len", str(SEQ_LEN),
+        "--target-layer-ids", *map(str, TARGET_LAYERS),
+        "--train-data-ratio", f"{ratio:.6f}",
+        "--hidden-states-dtype", "float32",
+        "--draft-attn-impl", "sdpa",
+        "--loss-implementation", "eager",
+        "--num-workers", "0",
+        "--on-missing", "raise",
+        "--log-freq", "10",
+    ]  # fmt: skip
+
+
+async def train(model: Path, data: Path, save: Path, size: Size) -> tuple[Path, int]:
+    """Train one drafter (a process of its own, so its memory is given back); its last
+    checkpoint and the training process's peak RSS in MiB."""
+    from datasets import load_from_disk
+
+    total = len(load_from_disk(str(data)))
+    held = len(split(load_questions(size.questions))[1])
+    ratio = (total - held + 0.5) / total  # speculators splits at int(total * ratio)
+    out = await _child(
+        "benchmarks.drafter.train_cpu", *train_args(model, data, save, size, ratio),
+        log=save.with_suffix(".log"),
+    )  # fmt: skip
+    peak = re.findall(r"hsx-bench peak_rss_mib=(\d+)", out)
+    checkpoint = save / str(size.epochs - 1)
+    assert (checkpoint / "model.safetensors").is_file(), f"no checkpoint in {save}"
+    return checkpoint, int(peak[-1]) if peak else 0
+
+
+async def evaluate(reference: Path, holdout: int, checkpoints: dict[str, Path]) -> dict:
+    """Held-out scores of every drafter (``benchmarks.drafter.evaluate``)."""
+    out = await _child(
+        "benchmarks.drafter.evaluate", str(reference), str(holdout),
+        *(f"{arm}={path}" for arm, path in checkpoints.items()),
+    )  # fmt: skip
+    return _last_json(out)
+
+
+async def vllm_acceptance(
+    model: Path, checkpoints: dict[str, Path], questions: list[str], max_tokens: int, work: Path
+) -> dict[str, dict[str, Any] | str]:
+    """Each drafter in vLLM's EAGLE-3 speculative decoding on the held-out questions
+    (``benchmarks.drafter.vllm_accept``, one engine per drafter): vLLM's counters, or
+    why the run failed."""
+    path = work / "held-out-questions.json"
+    await asyncio.to_thread(path.write_text, json.dumps(questions))
+    results: dict[str, dict[str, Any] | str] = {}
+    for arm, checkpoint in checkpoints.items():
+        try:
+            out = await _child(
+                "benchmarks.drafter.vllm_accept", str(model), str(checkpoint), str(path),
+                str(max_tokens), log=work / f"vllm-{arm}.log",
+            )  # fmt: skip
+            results[arm] = _last_json(out)
+        except RuntimeError as error:  # the row says why instead of losing the others
+            results[arm] = str(error).splitlines()[-1][:200]
+    return results
+
+
+def acceptance_row(results: dict[str, dict[str, Any] | str], held: int) -> Row:
+    """vLLM's mean acceptance length per drafter, (a) / (b) / (d) against (c)."""
+
+    def text(arm: str) -> str:
+        found = results[arm]
+        if isinstance(found, str) or found.get("acceptance_length") is None:
+            return f"not measured ({found})"
+        return f"{found['acceptance_length']:.2f}"
+
+    ours, base = " / ".join(text(a) for a in "abd"), text("c")
+    ratio = 0.0
+    with contextlib.suppress(ValueError, ZeroDivisionError):
+        ratio = float(text("a")) / float(base)
+    drafts = results["c"]["num_drafts"] if isinstance(results["c"], dict) else 0
+    return Row(
+        f"drafter mean acceptance length in vLLM's EAGLE-3 speculative decoding (CPU build, "
+        f"3 draft tokens, greedy, {held} held-out questions, {drafts:.0f} drafts for (c)): "
+        "(a) / (b) / (d) vs (c)",
+        ours,
+        base,
+        ratio,
+        "info",
+    )
+
+
+async def _child(module: str, *args: str, log: Path | None = None) -> str:
+    """Run ``python -m module args`` from the repository; its stdout. stderr goes to
+    ``log`` (or is kept for the error); a failure raises with the output's tail."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_BENCH_")}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args,
+        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    data, _ = await proc.communicate()
+    text = data.decode(errors="replace")
+    if log is not None:
+        await asyncio.to_thread(log.write_text, text)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m {module} failed ({proc.returncode}):\n{text[-4000:]}")
+    return text
+
+
+def _last_json(output: str) -> dict[str, Any]:
+    """The last line of a child's output that is a JSON object (libraries may log
+    after it: stderr shares the pipe)."""
+    for line in reversed(output.splitlines()):
+        if line.startswith("{"):
+            found: dict[str, Any] = json.loads(line)
+            return found
+    raise RuntimeError(f"no JSON result in:\n{output[-4000:]}")
+
+
+def _steps(values: list[float]) -> str:
+    return " / ".join(f"{v:.3f}" for v in values)
+
+
+def rows(
+    scores: dict[str, Any],
+    errors: dict[str, list[float]],
+    clock: dict[str, float],
+    peaks: list[int],
+    trained: int,
+    held: int,
+    size: Size,
+) -> list[Row]:
+    """The table rows: one per arm (top-1 at steps 0 / 1 / 2 against (c)), the
+    acceptance-length estimate, and the run's data and cost."""
+    reference = scores["c"]["top1"]
+    targets = {
+        "a": "within 0.02 of (c)",
+        "b": "within 0.02 of (c)",
+        "c": "the reference of (a), (b), (d)",
+        "d": "at least 0.1 below (c)",
+    }
+    out = []
+    for arm, label in ARMS.items():
+        top1 = scores[arm]["top1"]
+        versus = "" if arm == "c" else f" vs {ARMS['c']}"
+        out.append(
+            Row(
+                f"drafter top-1 agreement, held-out, {label}{versus} (step 0 / 1 / 2)",
+                _steps(top1),
+                "-" if arm == "c" else _steps(reference),
+                top1[0] / reference[0] if reference[0] else 0.0,
+                targets[arm],
+            )
+        )
+    lengths = {arm: scores[arm]["acceptance_length"] for arm in ARMS}
+    out.append(
+        Row(
+            "drafter acceptance length, held-out, teacher-forced estimate with 3 draft "
+            "tokens (not vLLM's): (a) / (b) / (d) vs (c)",
+            " / ".join(f"{lengths[a]:.2f}" for a in "abd"),
+            f"{lengths['c']:.2f}",
+            lengths["a"] / lengths["c"],
+            "info",
+        )
+    )
+    positions = scores["a"]["positions"]
+    minutes = {name: seconds / 60 for name, seconds in clock.items()}
+    train_min = " / ".join(f"{minutes[f'train {a}']:.1f}" for a in ARMS)
+    out.append(
+        Row(
+            f"drafter data and cost: {trained} training and {held} held-out conversations "
+            f"({positions[0]} scored positions at step 0), {size.epochs} epochs; hsx states "
+            f"vs transformers float32, worst relative error per sample and layer: raw "
+            f"{max(errors['raw']):.1e}, fp8 {max(errors['fp8']):.1e}; peak RSS of a "
+            f"training process {max(peaks)} MiB",
+            f"{sum(minutes.values()):.1f} min",
+            f"hsx {minutes['hsx']:.1f}, reference {minutes['reference']:.1f}, train "
+            f"{train_min}, score {minutes['score']:.1f}, vLLM {minutes['vLLM']:.1f} min",
+            1.0,
+            "info",
+        )
+    )
+    return out
+
+
+def main() -> None:
+    """``python -m benchmarks.drafter_bench [--quick]``: print the rows and notes."""
+    import tempfile
+
+    from benchmarks.run import _loop_factory, timed
+
+    quick = "--quick" in sys.argv[1:]
+    with (
+        tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+    ):
+        found = runner.run(run(Path(scratch), timed, quick=quick))
+    for row in found:
+        print(f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |")
+    print(NOTES)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point
+    main()
