@@ -263,6 +263,13 @@ class LimitsSettings(BaseModel):
         262144, ge=1, description="Prompt tokens summed over one request."
     )
     max_tokens: int = Field(256, ge=1, description="Largest `max_tokens` a request may ask.")
+    max_messages: int = Field(
+        1024,
+        ge=1,
+        description="Chat messages in one request, all its prompts together: each costs a "
+        "parse and a pass of the chat template, and loss='assistant' renders a conversation "
+        "once per assistant turn.",
+    )
     max_bytes_in_flight: int = Field(
         1024 * MIB,
         ge=MIB,

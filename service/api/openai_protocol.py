@@ -17,10 +17,19 @@ from urllib.parse import unquote, urlparse
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.errors import ApiError
+from service.api.prompts import (
+    BoundedBodyRoute,
+    Endpoint,
+    TextSize,
+    body_check,
+    check_message_count,
+    check_request_limits,
+    check_text_sizes,
+    rendered_bytes,
+)
 from service.api.schemas import MAX_CUSTOM_ID, MetadataKey, MetadataValue
 from service.codecs import Codec
 from service.engine.objects import RESERVED_KEYS
@@ -91,11 +100,13 @@ def _rename(field: str, prompt_field: str) -> str:
     return base
 
 
-class OpenAIRoute(APIRoute):
+class OpenAIRoute(BoundedBodyRoute):
     """Answers body validation errors and ``OpenAIError`` in the OpenAI shape (400).
 
     vLLM's request models raise its own client errors from their validators (an empty
-    prompt, say), which pydantic lets through: they get vLLM's answer too.
+    prompt, say), which pydantic lets through: they get vLLM's answer too. Bodies are
+    bounded before validation, large ones off the event loop (``BoundedBodyRoute``);
+    hsx's own errors that reach this far (a 504) keep their type and status.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -112,6 +123,8 @@ class OpenAIRoute(APIRoute):
                 return _validation_error(exc).response()
             except VLLMClientError as exc:
                 return OpenAIError.from_exception(exc).response()
+            except ApiError as error:
+                return OpenAIError.from_api_error(error, "prompt").response()
 
         return route
 
@@ -242,22 +255,26 @@ def hsx_extras(body: Any) -> HsxExtras:
         raise OpenAIError(400, message, param=param) from None
 
 
-def text_sizes(body: Any) -> list[tuple[str, int]]:
-    """UTF-8 bytes of text each prompt of a completion or chat request carries, with its
-    field: what vLLM's renderer would tokenise (``check_text_sizes`` bounds it).
+#: What a chat template gets besides the messages (vLLM's chat parameters pass them on).
+TEMPLATE_INPUTS = ("tools", "tool_choice", "documents", "chat_template_kwargs", "response_format")
 
-    A chat request counts its messages' text (contents, text parts, tool-call
-    arguments): every template that renders a message writes them, so the rendered
-    prompt is at least that long.
-    """
-    messages = getattr(body, "messages", None)
-    if messages is not None:
-        return [("messages", sum(_message_bytes(m) for m in messages))]
-    prompt = body.prompt
+
+def chat_text(raw: dict[str, Any]) -> TextSize:
+    """A chat request's text, as sent: every string and number of its messages and of
+    the template's other inputs (``rendered_bytes``), and its message count."""
+    messages = raw.get("messages")
+    count = len(messages) if isinstance(messages, list) else 0
+    inputs = [messages, *(raw.get(name) for name in TEMPLATE_INPUTS)]
+    return TextSize("messages", rendered_bytes(inputs), count)
+
+
+def prompt_texts(raw: dict[str, Any]) -> list[TextSize]:
+    """Each text prompt of a completion request (with its FIM ``suffix``), as sent."""
+    prompt, suffix = raw.get("prompt"), rendered_bytes(raw.get("suffix"))
     if isinstance(prompt, str):
-        return [("prompt", len(prompt.encode()))]
+        return [TextSize("prompt", rendered_bytes(prompt) + suffix)]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return [(f"prompt[{i}]", len(str(p).encode())) for i, p in enumerate(prompt)]
+        return [TextSize(f"prompt[{i}]", rendered_bytes(p) + suffix) for i, p in enumerate(prompt)]
     return []  # token ids: their count is checked, not their text
 
 
@@ -270,19 +287,58 @@ def as_mapping(message: Any) -> dict[str, Any]:
     return dict(dump()) if callable(dump) else {}
 
 
-def _message_bytes(message: Any) -> int:
-    message = as_mapping(message)
-    content = message.get("content")
-    if isinstance(content, str):
-        size = len(content.encode())
-    elif isinstance(content, list):
-        size = sum(len(str(p.get("text", "")).encode()) for p in content if isinstance(p, dict))
-    else:
-        size = 0
-    for call in message.get("tool_calls") or ():
-        arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else ""
-        size += len(arguments.encode()) if isinstance(arguments, str) else 0
-    return size
+def bounded(
+    prompt_field: str, *, max_tokens: tuple[str, ...] = (), default: int = 0
+) -> Callable[[Endpoint], Endpoint]:
+    """``body_check`` of an OpenAI route: the bounds of ``check_openai_body`` on the JSON
+    as sent, a 400 in this dialect naming the field. ``max_tokens``: the fields that say
+    how many tokens are generated (``default`` when none is sent; 0: render only)."""
+
+    def check(raw: Any, state: Any) -> None:
+        if not isinstance(raw, dict):
+            return  # validation refuses it
+        try:
+            check_openai_body(raw, state, _max_tokens(raw, max_tokens, default))
+        except ApiError as error:
+            state.metrics.rejected(error.detail.type)
+            raise OpenAIError.from_api_error(error, prompt_field) from None
+
+    return body_check(check)
+
+
+def check_openai_body(raw: dict[str, Any], state: Any, max_tokens: int) -> None:
+    """Prompts (``max_prompts``), chat messages (``max_messages``), token ids to decode
+    (``max_model_len``) and text that cannot fit, before any of it is validated,
+    parsed as chat or rendered."""
+    limits, max_model_len = state.settings.limits, state.extractor.max_model_len
+    tokens = raw.get("tokens")
+    if isinstance(tokens, list) and len(tokens) > max_model_len:  # /detokenize
+        message = f"tokens: {len(tokens)} token ids; at most max_model_len {max_model_len}"
+        raise ApiError(422, "limit_exceeded", message, field="tokens")
+    prompt = raw.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        check_request_limits(len(prompt), 0, limits)
+    sizes = prompt_texts(raw)
+    messages = raw.get("messages")
+    if isinstance(messages, list):  # counted first: their text is walked next
+        check_message_count(len(messages), limits, "messages")
+        sizes = [chat_text(raw)]
+    check_text_sizes(
+        sizes,
+        max_tokens=max_tokens,
+        token_bytes=state.max_token_bytes,
+        max_model_len=max_model_len,
+        limits=limits,
+    )
+
+
+def _max_tokens(raw: dict[str, Any], names: tuple[str, ...], default: int) -> int:
+    """Tokens to generate as the client asked; a wrong value is refused after validation."""
+    for name in names:
+        value = raw.get(name)
+        if value is not None:
+            return value if type(value) is int and value >= 0 else default
+    return default
 
 
 def requested_max_tokens(body: Any, *names: str) -> int:

@@ -18,6 +18,7 @@ CHAT = [{"role": "user", "content": "The quick brown fox?"}]
 CMPL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 BIG = "hello world " * 4_000  # 48 kB: under the body limit, over 512 tokens of 34 bytes
+EMPTY = [{"role": "user", "content": ""}]
 
 # (name, path, body, status, param): param None where vLLM's own check names no field.
 CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
@@ -98,6 +99,29 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
      {"messages": [{"role": "user", "content": BIG}]}, 400, "messages"),
     ("completion render text cannot fit", "/v1/completions/render", {"prompt": BIG}, 400, "prompt"),
     ("tokenize text cannot fit", "/tokenize", {"prompt": BIG}, 400, "prompt"),
+    # Everything vLLM's chat parser and the template can write counts (issue 26, 1):
+    # parts of every type, names, tool schemas, and one token per message.
+    ("refusal part cannot fit", "/tokenize",
+     {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": BIG}]}]},
+     400, "messages"),
+    ("thinking part cannot fit", "/v1/chat/completions/render",
+     {"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": BIG}]}]},
+     400, "messages"),
+    ("name cannot fit", CHAT_URL, {"messages": [{"role": "user", "content": "hi", "name": BIG}]},
+     400, "messages"),
+    ("tool schema cannot fit", CHAT_URL,
+     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f",
+                                                                    "description": BIG}}]},
+     400, "messages"),
+    ("empty messages cannot fit", "/v1/chat/completions/render", {"messages": EMPTY * 600},
+     400, "messages"),
+    ("too many messages", "/tokenize", {"messages": EMPTY * 1025}, 400, "messages"),
+    # What an answer may hold (issue 26, 12): prompts, tokens, token ids to decode.
+    ("render too many prompts", "/v1/completions/render", {"prompt": [IDS] * 9}, 400, "prompt"),
+    ("render too many tokens", "/v1/completions/render", {"prompt": [[1] * 500] * 3}, 400,
+     "prompt"),
+    ("tokenize past max_model_len", "/tokenize", {"prompt": "\u00e9" * 600}, 400, "prompt"),
+    ("detokenize past max_model_len", "/detokenize", {"tokens": [5] * 513}, 400, "tokens"),
 ]  # fmt: skip
 
 

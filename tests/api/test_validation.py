@@ -182,3 +182,76 @@ async def test_text_that_cannot_fit_is_refused_before_tokenising(fake: Any, tmp_
     assert fits.status_code == 422
     assert "tokens; at most 511" in fits.json()["error"]["message"]
     assert fake.submitted == 0
+
+
+async def test_many_empty_messages_are_refused_before_validation(fake: Any, tmp_path: Any) -> None:
+    """Issue 26, finding 2: 250,000 empty messages weighed 0 bytes and were rendered to
+    1.25 M tokens before the 422. They are counted before the body is validated."""
+    renders: list[int] = []
+    template = fake.tokenizer.apply_chat_template
+    fake.tokenizer.apply_chat_template = lambda m, **kw: renders.append(len(m)) or template(m, **kw)
+    settings = fast_settings(tmp_path, max_body_bytes=16 * 1024 * 1024)
+    empty = {"role": "user", "content": ""}
+    async with serving_in_process(settings, fake, KEYS) as (_, client):
+        many = await client.post(
+            "/extract", json={"prompts": [{"messages": [empty] * 250_000}]}, headers=AUTH_A
+        )
+        # Under the message limit, but 600 messages take 600 tokens: more than 511.
+        long = await client.post(
+            "/extract", json={"prompts": ["ok", {"messages": [empty] * 600}]}, headers=AUTH_A
+        )
+    assert many.status_code == 422
+    assert many.json()["error"] == {
+        "type": "limit_exceeded",
+        "message": "prompts: 250000 chat messages; at most 1024",
+        "field": "prompts",
+    }
+    assert long.status_code == 422
+    error = long.json()["error"]
+    assert error["type"] == "limit_exceeded"
+    assert error["field"] == "prompts[1].messages"
+    assert error["index"] == 1
+    assert "9000 bytes of text in 600 messages cannot fit in 511 tokens" in error["message"]
+    assert renders == []
+    assert fake.submitted == 0
+
+
+async def test_assistant_mask_over_1000_messages_is_linear(fake: Any, tmp_path: Any) -> None:
+    """Issue 26, finding 9: ``loss=assistant`` tokenised every turn's render whole, a
+    cost quadratic in the turns (3.5 s of CPU for these 1,000 messages). The mask is the
+    per-turn renders' boundaries still, from one tokenisation of the conversation."""
+    import time
+
+    from service import masks
+
+    fake.max_model_len = 32768
+    spans: list[Any] = []
+    extract = fake.extract
+
+    async def spy(ids: Any, **options: Any) -> Any:
+        spans.append(options["loss_spans"])
+        return await extract(ids, **options)
+
+    fake.extract = spy
+    text = "The quick brown fox"
+    messages = [
+        {"role": ("user", "assistant")[i % 2], "content": f"{text} {i}"} for i in range(1000)
+    ]
+    settings = fast_settings(tmp_path, max_total_tokens=32768)
+    async with serving_in_process(settings, fake, KEYS) as (_, client):
+        started = time.process_time()  # every thread of this process: the app's pool too
+        response = await client.post(
+            "/extract",
+            json={"prompts": [{"messages": messages}], "loss": "assistant"},
+            headers=AUTH_A,
+        )
+        spent = time.process_time() - started
+    print(f"loss=assistant over 1000 messages: {spent:.2f} s of CPU")
+    assert response.status_code == 200, response.text
+    (found,) = spans
+    assert len(found) == 500  # every assistant turn
+    for j in (1, 499, 999):  # speculators' boundary, by whole renders, on three turns
+        start = masks.render_ids(fake.tokenizer, messages[:j], add_generation_prompt=True)
+        end = masks.render_ids(fake.tokenizer, messages[: j + 1], add_generation_prompt=False)
+        assert (len(start), len(end)) in found
+    assert spent < 1.5

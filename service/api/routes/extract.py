@@ -13,14 +13,23 @@ from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 
 from service.api.codec_params import check_codec_params
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.idempotency import Found, extract_once
 from service.api.loss import PromptSpans, loss_spans
-from service.api.prompts import check_prompt_sizes, check_request_limits, tokenize_all
+from service.api.prompts import (
+    BoundedBodyRoute,
+    body_check,
+    check_extract_body,
+    check_prompt_sizes,
+    check_request_limits,
+    in_pool,
+    request_deadline,
+    timeout_error,
+    tokenize_all,
+)
 from service.api.schemas import (
     ErrorBody,
     ErrorDetail,
@@ -36,7 +45,8 @@ from service.api.state import ApiState
 from service.engine.errors import FAILURES, ExtractionError
 from service.engine.wire import Extraction
 
-router = APIRouter()
+# Bodies are parsed (large ones on the tokenizer pool) and bounded before validation.
+router = APIRouter(route_class=BoundedBodyRoute)
 T = TypeVar("T")
 access_log = logging.getLogger("hsx.requests")
 log = logging.getLogger(__name__)
@@ -58,6 +68,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("/extract", response_model=ExtractResponse, responses=RESPONSES)
+@body_check(check_extract_body)
 async def extract(
     body: ExtractRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> ExtractResponse:
@@ -80,7 +91,7 @@ async def execute(
     """
     assert state.metrics is not None
     started = time.monotonic()
-    deadline = started + state.settings.limits.request_timeout_s
+    deadline = request_deadline(request, state.settings.limits.request_timeout_s)
     token_ids, spans = await admit(state, body, deadline, spans)
     try:
         work = run_prompts(state, body, token_ids, namespace, spans)
@@ -109,7 +120,7 @@ async def admit(
         check_codec_params(state.extractor, body.codec, body.layers)
         token_ids: list[list[int]] = await prompt_token_ids(state, body, deadline)
         if spans is None:
-            spans = await prompt_loss_spans(state, body, token_ids)
+            spans = await prompt_loss_spans(state, body, token_ids, deadline)
         if not state.admission.try_admit(len(token_ids)):
             raise ApiError(
                 429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
@@ -121,11 +132,12 @@ async def admit(
 
 
 async def prompt_loss_spans(
-    state: ApiState, body: ExtractRequest, token_ids: list[list[int]]
+    state: ApiState, body: ExtractRequest, token_ids: list[list[int]], deadline: float
 ) -> list[PromptSpans]:
-    """Each prompt's supervised ranges (``loss``); renders, so off the event loop."""
+    """Each prompt's supervised ranges (``loss``); renders, so on the tokenizer pool
+    within the request's deadline."""
     compute = partial(loss_spans, body, state.extractor.tokenizer, token_ids)
-    return compute() if body.loss == "none" else await run_in_threadpool(compute)
+    return compute() if body.loss == "none" else await in_pool(state, compute, deadline)
 
 
 def outcome_of(outcomes: list[Any]) -> str:
@@ -170,7 +182,8 @@ async def prompt_token_ids(
     """
     extractor = state.extractor
     check_prompt_sizes(
-        body,
+        body.prompts,
+        body.max_tokens,
         token_bytes=state.max_token_bytes,
         max_model_len=extractor.max_model_len,
         limits=state.settings.limits,
@@ -187,18 +200,8 @@ async def prompt_token_ids(
     )
     if all(isinstance(p, PromptObject) and p.token_ids is not None for p in body.prompts):
         return tokenize()  # token ids only need checking: cheaper than a thread hop
-    assert state.tokenizer_pool is not None
-    running = asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, tokenize)
-    try:
-        return await asyncio.wait_for(running, timeout=max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        raise timeout_error(state.settings.limits.request_timeout_s) from None
-    finally:
-        stop.set()  # the thread stops before its next prompt
-
-
-def timeout_error(deadline_s: float) -> ApiError:
-    return ApiError(504, "timeout", f"request took longer than {deadline_s:g} s; work aborted")
+    # Past the deadline, the thread stops before its next prompt.
+    return await in_pool(state, tokenize, deadline, stop=stop.set)
 
 
 def ensure_serving(state: ApiState) -> None:

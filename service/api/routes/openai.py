@@ -15,12 +15,11 @@ against vLLM's render (``service.api.loss.chat_spans``), and each choice's
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
@@ -50,15 +49,15 @@ from service.api.openai_protocol import (
     HsxExtras,
     OpenAIError,
     OpenAIRoute,
+    bounded,
     finish_reason,
     hsx_extras,
     refuse_unsupported,
     requested_max_tokens,
-    text_sizes,
     transfer_params,
 )
 from service.api.openai_vllm import VllmFrontEnd, front_end
-from service.api.prompts import check_request_limits, check_text_sizes
+from service.api.prompts import LoopRun, check_request_limits, in_pool, request_deadline
 from service.api.routes.extract import execute, raise_failures
 from service.api.schemas import ErrorBody, ExtractRequest, PromptObject
 from service.api.state import ApiState
@@ -91,6 +90,7 @@ EXTRACT = _errors(400, 404, 429, 502, 503, 504)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=EXTRACT)
+@bounded("prompt", max_tokens=("max_tokens",), default=16)  # vLLM's default max_tokens
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> JSONResponse:
@@ -102,20 +102,23 @@ async def completions(
     if extras.loss not in ("none", "all"):
         message = f"loss: {extras.loss!r} needs a chat request; a completion takes 'all' or 'none'"
         raise OpenAIError(400, message, param="loss")
-    prompts = await _vllm(vllm.completion_token_ids(body))
+    render = partial(vllm.completion_token_ids, body)
+    # Token ids only need checking (cheaper than a thread hop); text is tokenised.
+    prompts = await (_vllm(render()) if _token_ids_only(body) else _render(request, state, render))
     spans: list[PromptSpans] = [((0, len(p)),) if extras.loss == "all" else None for p in prompts]
     outcomes = await _extract(request, state, namespace, prompts, max_tokens, extras, field, spans)
     return JSONResponse(_completion(state, body, prompts, outcomes, max_tokens).model_dump())
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=EXTRACT)
+@bounded("messages", max_tokens=("max_completion_tokens", "max_tokens"), default=1)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> JSONResponse:
     """Hidden states of the rendered conversation; answers once the object is durable."""
     vllm, max_tokens, extras = await _checked(request, state, body, 1, "messages")
-    prompt = await _vllm(vllm.chat_token_ids(body))
-    spans = [await _chat_spans(state, body, extras.loss, prompt)]
+    prompt = await _render(request, state, partial(vllm.chat_token_ids, body))
+    spans = [await _chat_spans(request, state, body, extras.loss, prompt)]
     (outcome,) = await _extract(
         request, state, namespace, [prompt], max_tokens, extras, "messages", spans
     )
@@ -123,38 +126,48 @@ async def chat_completions(
 
 
 @router.post("/v1/chat/completions/render", response_model=GenerateRequest, responses=RENDER)
+@bounded("messages")
 async def render_chat(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> JSONResponse:
     """The token ids vLLM renders for this chat request (no engine work, no object)."""
-    _checked_text(state, body, "messages")
-    rendered = await _vllm(front_end(request).render.render_chat_request(body, request))
-    return JSONResponse(rendered.model_dump())
+    render = partial(front_end(request).render.render_chat_request, body, request)
+    return JSONResponse((await _render(request, state, render)).model_dump())
 
 
 @router.post("/v1/completions/render", response_model=list[GenerateRequest], responses=RENDER)
+@bounded("prompt")
 async def render_completion(
     body: CompletionRequest, request: Request, state: StateDep
 ) -> JSONResponse:
-    """The token ids vLLM renders for each prompt (no engine work, no object)."""
-    _checked_text(state, body, "prompt")
-    rendered = await _vllm(front_end(request).render.render_completion_request(body, request))
+    """The token ids vLLM renders for each prompt (no engine work, no object): at most
+    ``max_prompts`` prompts and ``max_total_tokens`` tokens, as an extraction."""
+    render = partial(front_end(request).render.render_completion_request, body, request)
+    rendered = await _render(request, state, render)
+    _check_total(state, sum(len(r.token_ids) for r in rendered), "prompt")
     return JSONResponse([r.model_dump() for r in rendered])
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=RENDER)
+@bounded("prompt")
 async def tokenize(body: TokenizeRequest, request: Request, state: StateDep) -> JSONResponse:
-    """Token ids of a prompt or a conversation, as vLLM's ``/tokenize``."""
-    _checked_text(state, body, "messages" if hasattr(body, "messages") else "prompt")
-    result = await _vllm(front_end(request).tokenization.create_tokenize(body, request))
+    """Token ids of a prompt or a conversation, as vLLM's ``/tokenize``; past
+    max_model_len a 400 (vLLM would answer any length)."""
+    render = partial(front_end(request).tokenization.create_tokenize, body, request)
+    result = await _render(request, state, render)
+    field = "messages" if hasattr(body, "messages") else "prompt"
+    if result.count > state.extractor.max_model_len:
+        message = f"{result.count} tokens; at most max_model_len {state.extractor.max_model_len}"
+        raise _rejected(state, field, message)
     return JSONResponse(result.model_dump())
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=RENDER)
-async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    """The text of token ids, as vLLM's ``/detokenize``."""
-    result = await _vllm(front_end(request).tokenization.create_detokenize(body, request))
-    return JSONResponse(result.model_dump())
+@bounded("tokens")
+async def detokenize(body: DetokenizeRequest, request: Request, state: StateDep) -> JSONResponse:
+    """The text of at most max_model_len token ids, as vLLM's ``/detokenize``."""
+    render = partial(front_end(request).tokenization.create_detokenize, body, request)
+    return JSONResponse((await _render(request, state, render)).model_dump())
 
 
 async def _checked(
@@ -174,7 +187,6 @@ async def _checked(
         extras.custom_ids(prompts)  # one per prompt, before anything is rendered
         check_codec_params(state.extractor, extras.codec, extras.layers)
         check_request_limits(prompts, max_tokens, state.settings.limits)
-        _check_text(state, body, max_tokens)
     except OpenAIError:
         state.metrics.rejected("invalid_request")
         raise
@@ -185,42 +197,53 @@ async def _checked(
 
 
 async def _chat_spans(
-    state: ApiState, body: ChatCompletionRequest, loss: LossMode, rendered: list[int]
+    request: Request,
+    state: ApiState,
+    body: ChatCompletionRequest,
+    loss: LossMode,
+    rendered: list[int],
 ) -> PromptSpans:
     """The supervised ranges ``loss`` asks for in the rendered conversation (renders, so
-    off the event loop); a mask that cannot be trusted is a 400 naming ``loss``."""
+    on the tokenizer pool within the deadline); an untrusted mask is a 400 on ``loss``."""
     if loss == "none":
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     compute = partial(chat_spans, state.extractor.tokenizer, body.messages, tools, loss, rendered)
     try:
-        return await run_in_threadpool(compute)
+        return await in_pool(state, compute, _deadline(request, state))
     except MaskError as exc:
         assert state.metrics is not None
         state.metrics.rejected("invalid_request")
         raise OpenAIError(400, f"loss: {loss!r}: {exc}", param="loss") from None
 
 
-def _check_text(state: ApiState, body: Any, max_tokens: int) -> None:
-    """vLLM's renderer tokenises whatever text it gets: refuse text that cannot fit in
-    the model before it does (``check_text_sizes``; an ApiError)."""
-    check_text_sizes(
-        text_sizes(body),
-        max_tokens=max_tokens,
-        token_bytes=state.max_token_bytes,
-        max_model_len=state.extractor.max_model_len,
-        limits=state.settings.limits,
-    )
+def _check_total(state: ApiState, tokens: int, field: str) -> None:
+    """A rendered answer holds at most ``max_total_tokens`` tokens, as an extraction."""
+    limit = state.settings.limits.max_total_tokens
+    if tokens > limit:
+        raise _rejected(state, field, f"{tokens} tokens in total; at most {limit}")
 
 
-def _checked_text(state: ApiState, body: Any, prompt_field: str) -> None:
-    """``_check_text`` for the routes that only render (no tokens to generate)."""
-    try:
-        _check_text(state, body, 0)
-    except ApiError as error:
-        assert state.metrics is not None
-        state.metrics.rejected(error.detail.type)
-        raise OpenAIError.from_api_error(error, prompt_field) from None
+def _rejected(state: ApiState, field: str, message: str) -> OpenAIError:
+    assert state.metrics is not None
+    state.metrics.rejected("limit_exceeded")
+    return OpenAIError(400, f"{field}: {message}", type="limit_exceeded", param=field)
+
+
+def _deadline(request: Request, state: ApiState) -> float:
+    return request_deadline(request, state.settings.limits.request_timeout_s)
+
+
+async def _render(request: Request, state: ApiState, render: Callable[[], Awaitable[T]]) -> T:
+    """A call into vLLM's renderer (the chat parser, the template, the tokenizer), run on
+    the tokenizer pool within the request's deadline, never on the event loop."""
+    run = LoopRun(render)
+    return await _vllm(in_pool(state, run, _deadline(request, state), stop=run.cancel))
+
+
+def _token_ids_only(body: CompletionRequest) -> bool:
+    prompt = body.prompt
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str)
 
 
 async def _vllm(work: Awaitable[T]) -> T:
