@@ -251,13 +251,13 @@ async def extract_and_export(
     await _child(
         "service", "dataset", "run", str(source), "--endpoint", url, "--output", str(output),
         "--loss", "assistant", "--codec", codec, "--concurrency", "4", "--batch-size", "8",
-        "--no-progress",
+        "--no-progress", log=work / f"dataset-run-{codec}.log",
     )  # fmt: skip
     summary = json.loads((output / "summary.json").read_text())
     assert summary["ok"] == len(conversations), summary
     await _child(
         "service", "dataset", "export", str(output), str(dest), "--format", "speculators",
-        "--endpoint", url,
+        "--endpoint", url, log=work / f"dataset-export-{codec}.log",
     )  # fmt: skip
     return dest
 
@@ -270,6 +270,7 @@ async def reference_arms(
     out = await _child(
         "benchmarks.drafter.reference", str(model), str(exports["raw"]),
         str(work / "reference"), str(work / "control"), str(holdout), str(exports["fp8"]),
+        log=work / "reference.log",
     )  # fmt: skip
     errors: dict[str, list[float]] = _last_json(out)["worst_relative_error"]
     return errors
@@ -321,6 +322,7 @@ async def evaluate(reference: Path, holdout: int, checkpoints: dict[str, Path]) 
     out = await _child(
         "benchmarks.drafter.evaluate", str(reference), str(holdout),
         *(f"{arm}={path}" for arm, path in checkpoints.items()),
+        log=reference.parent / "evaluate.log",
     )  # fmt: skip
     return _last_json(out)
 
@@ -371,19 +373,19 @@ def acceptance_row(results: dict[str, dict[str, Any] | str], held: int) -> Row:
     )
 
 
-async def _child(module: str, *args: str, log: Path | None = None) -> str:
-    """Run ``python -m module args`` from the repository; its stdout. stderr goes to
-    ``log`` (or is kept for the error); a failure raises with the output's tail."""
+async def _child(module: str, *args: str, log: Path) -> str:
+    """Run ``python -m module args`` from the repository, its stdout and stderr going to
+    ``log`` as they come (a long training run can be followed there); the output. A
+    failure raises with the output's tail."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_BENCH_")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, *args,
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    data, _ = await proc.communicate()
-    text = data.decode(errors="replace")
-    if log is not None:
-        await asyncio.to_thread(log.write_text, text)
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, *args,
+            cwd=REPO, env=env, stdout=sink, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        await proc.wait()
+    text = await asyncio.to_thread(log.read_text, errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(f"python -m {module} failed ({proc.returncode}):\n{text[-4000:]}")
     return text
