@@ -54,7 +54,8 @@ class TokenizingStopped(Exception):
     """Tokenising was stopped (the request's deadline passed, or it was cancelled)."""
 
 
-#: Errors that answer a client (hsx's, FastAPI's, vLLM's renderer's): no stack to log.
+#: Errors that answer a client (hsx's, FastAPI's, vLLM's renderer's; any other with a
+#: 4xx ``status``): no stack to log.
 _CLIENT_ERRORS = (
     ApiError,
     RequestValidationError,
@@ -411,7 +412,7 @@ def _outcome(call: Callable[[], T]) -> tuple[bool, T | BaseException]:
     try:
         return True, call()
     except Exception as exc:
-        if not isinstance(exc, _CLIENT_ERRORS):
+        if not isinstance(exc, _CLIENT_ERRORS) and getattr(exc, "status", 500) >= 500:
             exc.add_note(
                 "in the tokenizer pool:\n" + "".join(traceback.format_tb(exc.__traceback__))
             )
