@@ -53,8 +53,9 @@ class InvalidPromptError(ExtractionError, ValueError):
 
 
 class IdempotencyConflictError(ExtractionError):
-    """The object under a ``custom_id`` prompt's key holds other token ids than the
-    prompt's (or is unreadable); it is left as it is (``service.api.idempotency``)."""
+    """The object under a ``custom_id`` prompt's key was made by another request (other
+    token ids, options or metadata), or cannot be read as an object; it is left as it is
+    (``service.api.idempotency``)."""
 
     error_type = "conflict"
     status = 409

@@ -53,7 +53,10 @@ log = logging.getLogger(__name__)
 
 RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or invalid API key"},
-    409: {"model": PartialFailureBody, "description": "A custom_id's object holds other tokens"},
+    409: {
+        "model": PartialFailureBody,
+        "description": "A custom_id's object was made by another request",
+    },
     413: {"model": ErrorBody, "description": "Body over the size limit"},
     422: {"model": ErrorBody, "description": "Invalid prompt or a limit exceeded"},
     429: {"model": ErrorBody, "description": "Too much work queued; retry after Retry-After"},
