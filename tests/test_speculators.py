@@ -84,17 +84,17 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("speculators")
 
 
-@pytest.fixture(scope="module")
-def prepared(local_hsx: Any, work: Path) -> Path:
-    """``speculators prepare-data`` on a JSONL of multi-turn conversations, through hsx."""
+def prepare_data(hsx: Any, conversations: list[list[dict[str, str]]], work: Path) -> Path:
+    """``speculators prepare-data`` on a JSONL of ``conversations``, rendering through the
+    hsx server ``hsx`` (a ``ServerThread`` with ``.url``); the dataset's directory."""
     data = work / "conversations.jsonl"
-    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS))
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in conversations))
     out = work / "prepared"
     result = speculators(
         "prepare-data",
-        "--model", str(local_hsx.settings.engine.model),
+        "--model", str(hsx.settings.engine.model),
         "--data", str(data),
-        "--render-endpoint", local_hsx.url,
+        "--render-endpoint", hsx.url,
         "--output", str(out),
         "--seq-length", str(SEQ_LEN),
         "--num-preprocessing-workers", "1",
@@ -103,6 +103,12 @@ def prepared(local_hsx: Any, work: Path) -> Path:
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Failed to process conversation" not in result.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def prepared(local_hsx: Any, work: Path) -> Path:
+    """``speculators prepare-data`` on a JSONL of multi-turn conversations, through hsx."""
+    return prepare_data(local_hsx, CONVERSATIONS, work)
 
 
 def dataset(path: Path) -> list[dict[str, list[int]]]:

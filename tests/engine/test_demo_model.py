@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,14 +24,14 @@ from safetensors.torch import load
 from tests.api.conftest import ServerThread, as_extraction
 from tests.engine.checks import assert_object_matches, object_metadata
 from tests.engine.conftest import engine_settings
-from tests.test_speculators import dataset, messages_of, speculators
+from tests.test_speculators import SEQ_LEN, dataset, messages_of, prepare_data
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 #: EAGLE-3's layers for a 30-layer model: [2, L//2, L-3, L].
 EAGLE3_LAYERS = [2, 15, 27, 30]
 HIDDEN = 576
-SEQ_LEN = 256  # prepare-data's window: every conversation below fits in it
+
 
 # Natural-language prompts of varied length (5 to ~300 tokens once rendered).
 PARAGRAPHS = [
@@ -260,22 +259,7 @@ def test_concurrent_text_and_chat_prompts_equal_transformers(hsx: Any, tokenizer
 def prepared(hsx: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[int]]]:
     """``speculators prepare-data`` on the conversations, rendering through hsx."""
     work = tmp_path_factory.mktemp("demo-speculators")
-    data = work / "conversations.jsonl"
-    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS))
-    out = work / "prepared"
-    result = speculators(
-        "prepare-data",
-        "--model", str(hsx.settings.engine.model),
-        "--data", str(data),
-        "--render-endpoint", hsx.url,
-        "--output", str(out),
-        "--seq-length", str(SEQ_LEN),
-        "--num-preprocessing-workers", "1",
-        cwd=work,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Failed to process conversation" not in result.stderr
-    return dataset(out)
+    return dataset(prepare_data(hsx, CONVERSATIONS, work))
 
 
 def extract_masks(url: str, prompts: list[Any], loss: str) -> list[dict[str, list[int]]]:
