@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_serve import serving
+from tests.test_serve import link_demo_model, serving
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +58,11 @@ def wait_for(check: Any, what: str, limit_s: float = 300) -> Any:
 
 
 @pytest.fixture(scope="module")
-def hsx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def hsx(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[str]:
     """``hsx serve`` with the demo model, in a clean environment; SIGTERM at the end."""
-    with serving(tmp_path_factory.mktemp("hsx"), {}) as (proc, url):
+    cwd = tmp_path_factory.mktemp("hsx")
+    link_demo_model(cwd, demo_model)
+    with serving(cwd, {}) as (proc, url):
         yield url
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
@@ -220,12 +222,12 @@ def test_kv_cache_panels_show_the_engine_layout(prometheus: str, workload: dict[
     info, memory, page = (substitute(e, resolved) for e in panel("KV-cache groups"))
     (group,) = query(prometheus, info)
     labels = group["metric"]
-    # The demo Llama: one uniform group for its 4 attention layers and the hidden-state
-    # layer, vLLM's CPU block size.
+    # The demo model (SmolLM2, a Llama): one uniform group for its 30 attention layers and
+    # the hidden-state layer, vLLM's CPU block size.
     assert (labels["group"], labels["kind"], labels["layers"]) == (
         "0",
         "full_attention+hidden_state",
-        "5",
+        "31",
     )
     assert labels["block_size"] == "128"
     allocated, _hidden, blocks = (substitute(e, resolved) for e in panel("KV-cache memory"))

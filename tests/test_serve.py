@@ -28,12 +28,16 @@ KEY = "serve-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+def link_demo_model(cwd: Path, demo_model: Path) -> None:
+    """The demo model where ``hsx serve`` run in ``cwd`` looks for it: the machine's
+    converted copy, linked (converting it again for every server would cost 30 s)."""
+    (cwd / DEMO_DIR).parent.mkdir(parents=True, exist_ok=True)
+    (cwd / DEMO_DIR).symlink_to(demo_model, target_is_directory=True)
+
+
 @pytest.fixture(autouse=True)
 def demo_model_here(tmp_path: Path, demo_model: Path) -> None:
-    """The demo model where ``hsx serve`` run in ``tmp_path`` looks for it: the machine's
-    converted copy, linked (converting it again in every test would cost 30 s each)."""
-    (tmp_path / DEMO_DIR).parent.mkdir(parents=True)
-    (tmp_path / DEMO_DIR).symlink_to(demo_model, target_is_directory=True)
+    link_demo_model(tmp_path, demo_model)
 
 
 def free_port() -> int:

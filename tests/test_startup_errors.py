@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.test_serve import link_demo_model
+
 
 @dataclass
 class Run:
@@ -236,10 +238,12 @@ def test_unreachable_bucket(tmp_path: Path, s3_endpoint: str) -> None:
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_kv_cache_too_small_for_max_model_len(tmp_path: Path) -> None:
-    # The demo model at max_model_len 2048 needs about 7 MiB of cache; 5 MiB holds
-    # fewer tokens than one full sequence, which vLLM refuses once the model is loaded.
-    env = {"HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "0.005"}
+def test_kv_cache_too_small_for_max_model_len(tmp_path: Path, demo_model: Path) -> None:
+    # The demo model (SmolLM2 in float32: 54 KiB of cache per token, blocks of 128 tokens)
+    # at max_model_len 2048 needs about 108 MiB of cache; 51 MiB holds 7 blocks, fewer
+    # tokens than one full sequence, which vLLM refuses once the model is loaded.
+    link_demo_model(tmp_path, demo_model)
+    env = {"HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "0.05"}
     run = hsx_serve(tmp_path, env, timeout=300)
     line = assert_one_line(
         run,
