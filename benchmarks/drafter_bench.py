@@ -102,9 +102,11 @@ NOTES = f"""- **drafter proof (issue 25), data**: {FULL.questions} seed question
   (`benchmarks/drafter/evaluate.py`). Its token, mapped through `d2t`, is compared
   with the target's greedy next token from the transformers forward (argmax over the
   full 49152-token vocabulary, so a token outside the draft vocabulary is a miss)
-  wherever the loss mask is set. Steps 1 and 2 are teacher-forced, as in speculators'
-  validation: agreement given that the earlier steps were right. Targets: (a) and (b)
-  within 0.02 of (c); (d) at least 0.1 below (c).
+  wherever the loss mask is set. At steps 1 and 2 the drafter feeds on its own states
+  of the step before and on the true tokens (teacher-forced, as in speculators'
+  training and validation); each step is counted over all masked positions, not only
+  where the earlier steps were right. Targets: (a) and (b) within 0.02 of (c); (d) at
+  least 0.1 below (c).
 - **drafter acceptance length**: each checkpoint, as `speculators train` saved it, is
   the drafter of vLLM's own EAGLE-3 speculative decoding on the CPU build
   (`benchmarks/drafter/vllm_accept.py`: target in float32, 3 draft tokens, greedy,
