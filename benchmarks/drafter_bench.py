@@ -455,7 +455,8 @@ def rows(
     out.append(
         Row(
             f"drafter data and cost: {trained} training and {held} held-out conversations "
-            f"({positions[0]} scored positions at step 0), {size.epochs} epochs; hsx states "
+            f"({positions[0]} scored positions at step 0), {size.epochs} epoch"
+            f"{'s' if size.epochs > 1 else ''}; hsx states "
             f"vs transformers float32, worst relative error per sample and layer: raw "
             f"{max(errors['raw']):.1e}, fp8 {max(errors['fp8']):.1e}; peak RSS of a "
             f"training process {max(peaks)} MiB",
