@@ -20,6 +20,7 @@ from benchmarks import (
     codec_bench,
     copy_bench,
     dataset_bench,
+    drafter_bench,
     engine_bench,
     real_model_bench,
     storage_bench,
@@ -28,7 +29,14 @@ from benchmarks import (
 from benchmarks.storage_bench import Row
 
 #: Benches on the engine, in the order of the table; each takes ``quick``.
-ENGINE_BENCHES = (api_bench, codec_bench, real_model_bench, dataset_bench, engine_bench)
+ENGINE_BENCHES = (
+    api_bench,
+    codec_bench,
+    real_model_bench,
+    dataset_bench,
+    engine_bench,
+    drafter_bench,
+)
 #: Every bench whose notes go under the table, in the table's order.
 ALL_BENCHES = (storage_bench, validation_bench, copy_bench, *ENGINE_BENCHES)
 

@@ -84,3 +84,20 @@ async def test_storage_and_validation_benches_give_well_formed_rows(
     for row in rows:
         assert math.isfinite(row.ratio), row
         assert row.ratio > 0, row
+
+
+async def test_quick_drafter_bench_gives_every_row(
+    tmp_path: Path, aws_env: None, demo_model: Path
+) -> None:
+    """The drafter proof end to end at its quick size (hsx dataset run and export,
+    speculators train per arm, scoring, vLLM's EAGLE-3 acceptance): rows, not scores."""
+    from benchmarks import drafter_bench
+
+    rows = await drafter_bench.run(tmp_path, timed, quick=True)
+    assert len(rows) == 7
+    for row in rows:
+        assert row.name.startswith(drafter_bench.ROW_PREFIXES), row
+        assert math.isfinite(row.ratio), row
+    for row in rows[:4]:  # arms (a)-(d): top-1 at steps 0, 1 and 2
+        assert re.fullmatch(r"\d\.\d{3} / \d\.\d{3} / \d\.\d{3}", row.ours), row
+    assert "not measured" not in rows[5].ours, rows[5]  # vLLM's acceptance length ran
