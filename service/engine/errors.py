@@ -70,3 +70,7 @@ FAILURES: tuple[type[ExtractionError], ...] = (
     IdempotencyConflictError,
     InvalidPromptError,
 )
+
+#: Each failure class by its wire name (``WriteFailure.type``), so an error that crossed
+#: a process boundary as a string becomes its class again without an if-chain.
+ERROR_TYPES: dict[str, type[ExtractionError]] = {cls.error_type: cls for cls in FAILURES}
