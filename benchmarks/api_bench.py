@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import socket
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.storage_bench import Row, Timer, _ms
+from benchmarks.common import (
+    CpuSeconds,
+    Row,
+    Timer,
+    bench_settings,
+    cpu_seconds,
+    cpu_text,
+    fresh_prompts,
+    interleaved,
+    ms,
+    prompt_lengths,
+    serve,
+)
 from service.config import Settings
 from service.engine.builder import served_model_name
 
@@ -72,79 +81,24 @@ NOTES = """- **Prompts in the engine benches**: every timed batch is a fresh set
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def _serve(settings: Settings, extractor: Any) -> tuple[Any, asyncio.Task[None], str]:
-    import uvicorn
-
-    from service.api.app import create_app
-
-    app = create_app(settings, extractor=extractor)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:  # noqa: ASYNC110 (uvicorn offers a flag, not an event)
-        await asyncio.sleep(0.01)
-    return server, task, f"http://127.0.0.1:{port}"
-
-
-def bench_settings(
-    scratch: Path, name: str, *, hidden_size: int = 128, num_layers: int = 4, **limits: Any
-) -> Settings:
-    """The tiny dense demo model (float32, 1 GiB KV cache; larger when asked) and
-    storage under ``scratch``."""
-    from service.engine.tiny_models import make_model
-
-    model = make_model(
-        scratch / f"{name}-model", "llama", hidden_size=hidden_size, num_layers=num_layers
-    )
-    return Settings(
-        engine={
-            "model": str(model),
-            "dtype": "float32",
-            "max_model_len": 1024,
-            "cpu_kvcache_space_gib": 1,
-        },
-        storage={"url": str(scratch / f"{name}-objects")},
-        limits={"max_prompts": 64, **limits},
-    )
-
-
-def prompt_lengths(count: int, seed: int) -> list[int]:
-    """``count`` prompt lengths of 32-256 tokens: one distribution for every prompt set."""
-    rng = random.Random(seed)
-    return [rng.randrange(32, 257) for _ in range(count)]
-
-
-def fresh_prompts(lengths: list[int], seed: int, salt: str = "") -> list[list[int]]:
-    """Random token ids of these lengths. Every timed batch gets a set of its own: the
-    engine caches prefixes, and a prompt seen before costs almost nothing, so a bench
-    that repeats prompts measures overheads, not the work (a dataset does not repeat).
-    Rows that share an engine pass a ``salt`` of their own: one seed alone would start
-    their first prompts with the same tokens."""
-    rng = random.Random(f"{salt}{seed}")
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
-
-
 async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     """Throughput and latency rows on the tiny demo model; in full mode, the target
     throughput rows on a model whose forward pass does some work."""
     from service.engine.extractor import Extractor
 
-    settings = bench_settings(scratch, "api")
+    # Quick: the bench's every path once, at the smallest sizes that still give each
+    # row (one round, a quarter of the /v1 requests, an eager engine: no compilation).
+    settings = bench_settings(scratch, "api", eager=quick)
     extractor = await Extractor.start(settings)
-    server, task, url = await _serve(settings, extractor)
-    rounds = 2 if quick else 8
+    server, task, url = await serve(settings, extractor)
+    rounds = 1 if quick else 8
+    requests = V1_WORKERS if quick else V1_REQUESTS
     try:
         rows = [
             await _throughput(extractor, url, scratch, rounds, "info"),
             await _latency(extractor, url, timer, scratch, rounds),
-            await _completions_vs_extract(extractor, url, scratch, rounds, "info"),
-            await _stack_alone(settings, extractor, scratch),
+            await _completions_vs_extract(extractor, url, scratch, rounds, "info", requests),
+            await _stack_alone(settings, extractor, scratch, 20 if quick else 100),
         ]
     finally:
         server.should_exit = True
@@ -173,27 +127,7 @@ async def _client(
     return [float(t) for t in json.loads(out)]
 
 
-async def _interleaved(
-    first: Callable[[int], Awaitable[float]],
-    second: Callable[[int], Awaitable[float]],
-    rounds: int,
-) -> tuple[float, float]:
-    """Median seconds of each side over ``rounds`` rounds (after a warm-up of both), in
-    ABBA order so neither side always runs right after the other; each call gets a
-    seed of its own (fresh prompts)."""
-    await first(-1)
-    await second(-2)
-    a, b = [], []
-    for round_ in range(rounds):
-        pair = (first, a), (second, b)
-        for i, (side, times) in enumerate(pair if round_ % 2 == 0 else pair[::-1]):
-            times.append(await side(1000 * round_ + i))
-    return statistics.median(a), statistics.median(b)
-
-
 async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int, target: str) -> Row:
-    from benchmarks.dataset_bench import CpuSeconds, cpu_seconds, cpu_text
-
     lengths = prompt_lengths(32, 0)
     cpu: dict[str, list[CpuSeconds]] = {"in-process": [], "HTTP": []}
 
@@ -201,7 +135,9 @@ async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int, targ
         prompts = fresh_prompts(lengths, seed)
         with cpu_seconds(cpu["in-process"]):
             start = time.perf_counter()
-            await asyncio.gather(*(extractor.extract(p, namespace="bench") for p in prompts))
+            await asyncio.gather(
+                *(extractor.extract(p, extractor.request_params("bench")) for p in prompts)
+            )
             return time.perf_counter() - start
 
     async def http(seed: int) -> float:
@@ -213,13 +149,13 @@ async def _throughput(extractor: Any, url: str, scratch: Path, rounds: int, targ
         with cpu_seconds(cpu["HTTP"]):
             return (await _client(url, [bodies], scratch))[0]
 
-    i, h = await _interleaved(in_process, http, rounds)
+    i, h = await interleaved(in_process, http, rounds)
     info = extractor.info
     return Row(
         f"HTTP vs in-process, 32 prompts, hidden {info.hidden_size}, {info.num_layers} layers "
         f"(ratio: HTTP throughput / in-process; CPU s per round: {cpu_text(cpu, child='client')})",
-        _ms(h),
-        _ms(i),
+        ms(h),
+        ms(i),
         i / h,
         target,
     )
@@ -242,7 +178,7 @@ async def _target_rows(scratch: Path, hidden: int, rounds: int) -> list[Row]:
 
     settings = bench_settings(scratch, f"api-{hidden}", hidden_size=hidden)
     extractor = await Extractor.start(settings)
-    server, task, url = await _serve(settings, extractor)
+    server, task, url = await serve(settings, extractor)
     try:
         return [
             await _throughput(extractor, url, scratch, rounds, ">= 0.95"),
@@ -255,11 +191,9 @@ async def _target_rows(scratch: Path, hidden: int, rounds: int) -> list[Row]:
 
 
 async def _completions_vs_extract(
-    extractor: Any, url: str, scratch: Path, rounds: int, target: str
+    extractor: Any, url: str, scratch: Path, rounds: int, target: str, requests: int = V1_REQUESTS
 ) -> Row:
-    from benchmarks.dataset_bench import CpuSeconds, cpu_seconds, cpu_text
-
-    lengths = prompt_lengths(V1_REQUESTS, 1)
+    lengths = prompt_lengths(requests, 1)
     model = served_model_name(extractor.info.name)
     cpu: dict[str, list[CpuSeconds]] = {"/v1": [], "/extract": []}
 
@@ -278,14 +212,14 @@ async def _completions_vs_extract(
         with cpu_seconds(cpu["/extract"]):
             return (await _client(url, [batch], scratch, V1_WORKERS))[0]
 
-    v, e = await _interleaved(v1, extract, rounds)
+    v, e = await interleaved(v1, extract, rounds)
     info = extractor.info
     return Row(
-        f"/v1/completions vs /extract, {V1_REQUESTS} one-prompt requests from "
+        f"/v1/completions vs /extract, {requests} one-prompt requests from "
         f"{V1_WORKERS} concurrent clients, hidden {info.hidden_size}, {info.num_layers} "
         f"layers (ratio: throughput; CPU s per round: {cpu_text(cpu, child='client')})",
-        _ms(v),
-        _ms(e),
+        ms(v),
+        ms(e),
         e / v,
         target,
     )
@@ -295,7 +229,7 @@ async def _latency(extractor: Any, url: str, timer: Timer, scratch: Path, rounds
     prompt = [5, 6, 7, 8]  # shorter than a KV block: nothing to find in the prefix cache
 
     async def in_process() -> None:
-        await extractor.extract(prompt, namespace="bench")
+        await extractor.extract(prompt, extractor.request_params("bench"))
 
     request = [["/extract", {"prompts": [{"token_ids": prompt}]}]]
     await timer(in_process, 3)  # warm-up, both ways
@@ -316,7 +250,7 @@ async def _latency(extractor: Any, url: str, timer: Timer, scratch: Path, rounds
         f"added <= 5 ms (got {statistics.median(added) * 1000:.1f} ms; "
         f"{added[0] * 1000:.1f}-{added[-1] * 1000:.1f} over {rounds} block pairs)"
     )
-    return Row("one short prompt over HTTP vs in-process (median)", _ms(h), _ms(i), h / i, target)
+    return Row("one short prompt over HTTP vs in-process (median)", ms(h), ms(i), h / i, target)
 
 
 class _InstantExtractor:
@@ -330,7 +264,7 @@ class _InstantExtractor:
         # Everything but extract (model facts, codecs, storage, metrics) is the real one's.
         return getattr(self._real, name)
 
-    async def extract(self, ids: list[int], **_: Any) -> Any:
+    async def extract(self, ids: list[int], *_: Any, **__: Any) -> Any:
         from service.engine.wire import Extraction
 
         key = "hsx/default/2026/01/01/" + "0" * 32 + ".safetensors"
@@ -346,19 +280,21 @@ class _InstantExtractor:
         )
 
 
-async def _stack_alone(settings: Settings, extractor: Any, scratch: Path) -> Row:
+async def _stack_alone(
+    settings: Settings, extractor: Any, scratch: Path, requests: int = 100
+) -> Row:
     """The short-prompt request against an instant extractor: HTTP's own round trip."""
-    server, task, url = await _serve(settings, _InstantExtractor(extractor))
+    server, task, url = await serve(settings, _InstantExtractor(extractor))
     try:
         request = [["/extract", {"prompts": [{"token_ids": [5, 6, 7, 8]}]}]]
-        times = await _client(url, [request] * 100, scratch)
+        times = await _client(url, [request] * requests, scratch)
     finally:
         server.should_exit = True
         await task
     median = statistics.median(times)
     return Row(
         "HTTP stack alone (instant extractor), median round trip",
-        _ms(median),
+        ms(median),
         "5 ms budget",
         median / 0.005,
         "<= 1.0",

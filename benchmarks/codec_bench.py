@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.storage_bench import Row, Timer
+from benchmarks.common import Row, Timer, table_line, timed
 from service import codecs
 from service.config import Settings
 
@@ -35,7 +35,8 @@ NOTES = """- **codecs, bytes per token**: the mean stored object size per prompt
   batch times. Pairs a second apart cancel slow drift in other processes' load, not
   bursts: on a busy 2-core machine a ratio still moves by several hundredths between
   runs, and the spread in the row name shows how busy the machine was. The byte
-  ratios are exact. `codec_bench.run(..., quick=True)`: 8 prompts, 2 rounds.
+  ratios are exact. `codec_bench.run(..., quick=True)`: 2 prompts, 1 round, eager
+  engines (no compilation): it shows that the bench runs.
 - **codecs, encode CPU**: CPU time (one thread, as in the writer) to encode 1 MB of
   the model-dtype states those prompts produced, against `raw` (a safetensors write);
   the median of 5 passes over all states, codecs interleaved. `lossless` costs a shift
@@ -64,9 +65,13 @@ class Plan:
     prompts: int = 32
     rounds: int = 16
     cpu_passes: int = 5
+    #: No graph compilation at engine start (vLLM's CPU default compiles with inductor,
+    #: which costs far more than a quick run measures).
+    eager: bool = False
 
 
-QUICK = Plan(prompts=8, rounds=2, cpu_passes=2)
+#: Every path once at the smallest size: two prompts, one round, one CPU pass.
+QUICK = Plan(prompts=2, rounds=1, cpu_passes=1, eager=True)
 
 
 def make_bench_model(out: Path) -> Path:
@@ -144,7 +149,7 @@ async def _batch(
 
     async def batch() -> None:
         results[:] = await asyncio.gather(
-            *(extractor.extract(p, namespace="bench", codec=codec) for p in prompts)
+            *(extractor.extract(p, extractor.request_params("bench", codec=codec)) for p in prompts)
         )
 
     (seconds,) = await timer(batch, 1)
@@ -173,7 +178,8 @@ def _encode_ms_per_mb(
             for codec in codec_names:
                 start = time.thread_time()
                 for s, ids in zip(states, token_ids, strict=True):
-                    codecs.encode(codec, s, ids, {"model": "bench"})  # type: ignore[arg-type]
+                    meta = {"model": "bench", "dtype": codecs.dtype_name(s.dtype)}
+                    b"".join(codecs.pack_parts(codec, codecs.prepare(codec, s), ids, meta))
                 cpu[codec].append((time.thread_time() - start) * 1000 / mb)
     finally:
         torch.set_num_threads(threads)
@@ -193,6 +199,7 @@ async def _run_dtype(scratch: Path, model: Path, dtype: str, timer: Timer, plan:
             "cpu_kvcache_space_gib": 1,
             "gpu_memory_utilization": 0.5,
             "enable_prefix_caching": False,
+            **({"extra_args": {"enforce_eager": True}} if plan.eager else {}),
         },
         storage={"url": str(scratch / f"codec-objects-{dtype}")},
     )
@@ -266,9 +273,7 @@ if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry po
     import sys
     import tempfile
 
-    from benchmarks.run import timed
-
     with tempfile.TemporaryDirectory(prefix="hsx-codec-bench-") as tmp:
         rows = asyncio.run(run(Path(tmp), timed, quick="--quick" in sys.argv))
         for row in rows:
-            print(f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |")
+            print(table_line(row))

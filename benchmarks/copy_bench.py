@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.storage_bench import Row, Timer
+from benchmarks.common import Row, Timer, ms, table_line, timed
 
 NOTES = """- **copy-out (CUDA)**: the states of one request, T tokens x 4 layers x hidden 4096
   in bfloat16 (256 tokens: 8 MiB; 2048: 64 MiB), in a hidden-state cache of 16-token
@@ -119,16 +119,12 @@ async def _pool_rows(timed: Timer, rounds: int) -> list[Row]:
         ),
         Row(
             "64 MiB of states into a pooled buffer vs a fresh one (CPU, unpinned)",
-            _ms(copies["ours"]),
-            _ms(copies["fresh"]),
+            ms(copies["ours"], 2),
+            ms(copies["fresh"], 2),
             copies["ours"] / copies["fresh"],
             "<= 1.0",
         ),
     ]
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.2f} ms"
 
 
 def _cuda_worker(cache: torch.Tensor) -> Any:
@@ -148,8 +144,8 @@ def _cuda_worker(cache: torch.Tensor) -> Any:
 
 
 async def _cuda_rows(tokens: int, timed: Timer, rounds: int) -> list[Row]:
-    from service.engine.connector.common import PendingSave
     from service.engine.connector.worker import slot_indices
+    from service.engine.jobs import PendingSave
 
     needed = -(-tokens // BLOCK)
     generator = torch.Generator().manual_seed(tokens)
@@ -163,10 +159,10 @@ async def _cuda_rows(tokens: int, timed: Timer, rounds: int) -> list[Row]:
     gpu: dict[str, list[float]] = {"ours": [], "pinned": [], "naive": []}
 
     def ours() -> None:
-        save = PendingSave("r", "hsx/bench/k", list(range(tokens)), block_ids, {})
+        save = PendingSave("r", "hsx/bench/k", tuple(range(tokens)), tuple(block_ids), {})
         job = half._copy_out(save, nbytes)
-        gpu["ours"].append(job.wait_copied())  # the copy's own CUDA-event time
-        job.release()
+        gpu["ours"].append(job.copy.wait())  # the copy's own CUDA-event time
+        job.copy.release()
         half._poll_copies()
         half._copied.clear()
 
@@ -191,7 +187,7 @@ async def _cuda_rows(tokens: int, timed: Timer, rounds: int) -> list[Row]:
     def rate(name: str) -> str:
         gbps = nbytes / wall[name] / 1e9
         event = statistics.median(gpu[name][1:])  # after the warm-up round
-        return f"{gbps:.1f} GB/s ({_ms(wall[name])}; GPU {_ms(event)})"
+        return f"{gbps:.1f} GB/s ({ms(wall[name], 2)}; GPU {ms(event, 2)})"
 
     what = f"copy-out {tokens} tokens x {LAYERS} x {HIDDEN} bf16 ({nbytes / MIB:.0f} MiB)"
     return [
@@ -216,9 +212,7 @@ if __name__ == "__main__":
     import sys
     import tempfile
 
-    from benchmarks.run import timed
-
     with tempfile.TemporaryDirectory(prefix="hsx-copy-bench-") as tmp:
         result = asyncio.run(run(Path(tmp), timed, quick="--quick" in sys.argv))
         for row in result:
-            print(f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |")
+            print(table_line(row))

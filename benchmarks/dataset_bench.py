@@ -5,26 +5,37 @@ tiny dense model on the CPU) serves both sides. The in-process side is
 ``asyncio.gather`` of every prompt's ``Extractor.extract``; the runner side is the
 ``hsx dataset`` command in a process of its own, reading a JSONL file, with its
 manifest fsynced after every response. Every timed run gets fresh prompts (see
-``benchmarks.api_bench.fresh_prompts``): new ids, so the server runs every prompt
+``benchmarks.common.fresh_prompts``): new ids, so the server runs every prompt
 instead of finding its object, and no prefix-cache hits on either side.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
-import resource
-import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.storage_bench import Row, Timer, _ms
+from benchmarks.common import (
+    CpuSeconds,
+    Row,
+    Timer,
+    bench_settings,
+    cpu_seconds,
+    cpu_text,
+    fresh_prompts,
+    interleaved,
+    loop_factory,
+    ms,
+    prompt_lengths,
+    serve,
+    table_line,
+    timed,
+)
 
 PROMPTS = int(os.environ.get("HSX_BENCH_DATASET_PROMPTS", "256"))
 ROUNDS = int(os.environ.get("HSX_BENCH_DATASET_ROUNDS", "4"))
@@ -58,27 +69,37 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     """The runner-vs-in-process rows: the target on a model whose forward pass does real
     work, and (full mode) the same on the tiny demo model, where overheads dominate."""
     models = [(HIDDEN, LAYERS, ">= 0.95"), (128, 4, "info")]
-    if quick:
-        models = models[:1]
-    prompts, rounds = (32, 1) if quick else (PROMPTS, ROUNDS)
+    if quick:  # the bench's every path once: the tiny model, one round, few prompts
+        models = models[-1:]
+    prompts, rounds = (16, 1) if quick else (PROMPTS, ROUNDS)
     rows = []
     for hidden, layers, target in models:
-        rows.append(await _model_row(scratch, hidden, layers, prompts, rounds, target))
+        rows.append(await _model_row(scratch, hidden, layers, prompts, rounds, target, quick))
     return rows
 
 
 async def _model_row(
-    scratch: Path, hidden: int, layers: int, prompts: int, rounds: int, target: str
+    scratch: Path,
+    hidden: int,
+    layers: int,
+    prompts: int,
+    rounds: int,
+    target: str,
+    eager: bool = False,
 ) -> Row:
-    from benchmarks.api_bench import _serve, bench_settings
     from service.engine.extractor import Extractor
 
     name = f"dataset-{hidden}x{layers}"
     settings = bench_settings(
-        scratch, name, hidden_size=hidden, num_layers=layers, max_queued_prompts=4096
+        scratch,
+        name,
+        hidden_size=hidden,
+        num_layers=layers,
+        eager=eager,
+        max_queued_prompts=4096,
     )
     extractor = await Extractor.start(settings)
-    server, task, url = await _serve(settings, extractor)
+    server, task, url = await serve(settings, extractor)
     (scratch / name).mkdir(exist_ok=True)
     try:
         row = await _compare(extractor, url, scratch / name, prompts, rounds)
@@ -93,8 +114,6 @@ async def _model_row(
 
 
 async def _compare(extractor: Any, url: str, scratch: Path, count: int, rounds: int) -> Row:
-    from benchmarks.api_bench import _interleaved, fresh_prompts, prompt_lengths
-
     lengths = prompt_lengths(count, 0)
 
     cpu: dict[str, list[CpuSeconds]] = {"in-process": [], "runner": []}
@@ -103,79 +122,24 @@ async def _compare(extractor: Any, url: str, scratch: Path, count: int, rounds: 
         prompts = fresh_prompts(lengths, seed)
         with cpu_seconds(cpu["in-process"]):
             start = time.perf_counter()
-            await asyncio.gather(*(extractor.extract(p, namespace="bench") for p in prompts))
+            await asyncio.gather(
+                *(extractor.extract(p, extractor.request_params("bench")) for p in prompts)
+            )
             return time.perf_counter() - start
 
     async def runner(seed: int) -> float:
         with cpu_seconds(cpu["runner"]):
             return await _runner(url, fresh_prompts(lengths, seed), scratch, f"s{seed}")
 
-    i, r = await _interleaved(in_process, runner, rounds)
+    i, r = await interleaved(in_process, runner, rounds)
     return Row(
         f"dataset runner vs in-process, {count} prompts (ratio: runner / in-process "
         f"throughput; CPU s per round: {cpu_text(cpu)})",
-        _ms(r),
-        _ms(i),
+        ms(r),
+        ms(i),
         i / r,
         ">= 0.95",
     )
-
-
-@dataclasses.dataclass
-class CpuSeconds:
-    """CPU seconds one round cost each process: the runner (a child that has exited),
-    this process (the API server, or the in-process caller) and the engine's."""
-
-    runner: float = 0.0
-    server: float = 0.0
-    engine: float = 0.0
-
-
-@contextlib.contextmanager
-def cpu_seconds(out: list[CpuSeconds]) -> Iterator[None]:
-    """Append the CPU seconds spent inside the block to ``out`` (warm-up rounds too)."""
-    import psutil
-
-    def engine() -> float:
-        total = 0.0
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                times = child.cpu_times()
-                total += times.user + times.system
-        return total
-
-    def children() -> float:
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return usage.ru_utime + usage.ru_stime
-
-    before = (children(), time.process_time(), engine())
-    try:
-        yield
-    finally:
-        out.append(
-            CpuSeconds(
-                children() - before[0], time.process_time() - before[1], engine() - before[2]
-            )
-        )
-
-
-def cpu_text(cpu: dict[str, list[CpuSeconds]], child: str = "runner") -> str:
-    """Each side's median CPU seconds per round, per process; ``child`` names the
-    child process the bench ran (the runner, or the API bench's client)."""
-    parts = []
-    for side, rounds in cpu.items():
-        timed = rounds[1:]  # the first is the warm-up
-        median = {
-            name: statistics.median(getattr(c, name) for c in timed)
-            for name in ("runner", "server", "engine")
-        }
-        text = ", ".join(
-            f"{child if name == 'runner' else name} {value:.2f}"
-            for name, value in median.items()
-            if value >= 0.005
-        )
-        parts.append(f"{side}: {text}")
-    return "; ".join(parts)
 
 
 async def _runner(url: str, prompts: list[list[int]], scratch: Path, tag: str) -> float:
@@ -202,15 +166,13 @@ async def _runner(url: str, prompts: list[list[int]], scratch: Path, tag: str) -
 def main() -> None:
     import tempfile
 
-    from benchmarks.run import _loop_factory, timed
-
     with (
         tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
-        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        asyncio.Runner(loop_factory=loop_factory()) as runner,
     ):
         rows = runner.run(run(Path(scratch), timed))
     for row in rows:
-        print(f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |")
+        print(table_line(row))
     print(NOTES)
 
 

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.storage_bench import Row, Timer
+from benchmarks.common import Row, Timer, loop_factory, serve, table_line, timed
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = Path(__file__).resolve().parent / "drafter" / "questions.txt"
@@ -66,8 +66,9 @@ class Size:
 
 
 FULL = Size(questions=402, max_tokens=128, epochs=3)
-#: Shows the pipeline end to end, not the gap: too few rows and one epoch.
-QUICK = Size(questions=48, max_tokens=48, epochs=1)
+#: Shows the pipeline end to end, not the gap: too few rows and one epoch (24
+#: questions: 3 held out, the fewest that still give every row something to score).
+QUICK = Size(questions=24, max_tokens=24, epochs=1)
 
 _HELD = FULL.questions // HOLDOUT_EVERY
 NOTES = f"""- **drafter proof (issue 25), data**: {FULL.questions} seed questions
@@ -129,7 +130,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     model = await asyncio.to_thread(_demo_model)
     clock: dict[str, float] = {}
     train_q, held_q = split(load_questions(size.questions))
-    async with _timed(clock, "hsx"), hsx_server(model, work) as url:
+    async with _timed(clock, "hsx"), hsx_server(model, work, eager=quick) as url:
         conversations = await respond(url, model.name, train_q + held_q, size.max_tokens)
         exports = {
             codec: await extract_and_export(url, conversations, codec, work)
@@ -186,10 +187,10 @@ def split(questions: list[str]) -> tuple[list[str], list[str]]:
 
 
 @contextlib.asynccontextmanager
-async def hsx_server(model: Path, work: Path) -> AsyncIterator[str]:
+async def hsx_server(model: Path, work: Path, eager: bool = False) -> AsyncIterator[str]:
     """An open hsx (no keys) on ``model`` in float32 with the default EAGLE-3 layers,
-    objects under ``work``; yields its URL."""
-    from benchmarks.api_bench import _serve
+    objects under ``work``; yields its URL. ``eager``: no graph compilation at start-up
+    (as ``hsx serve`` runs; a quick run would spend most of its time compiling)."""
     from service.config import Settings
     from service.engine.extractor import Extractor
 
@@ -199,13 +200,14 @@ async def hsx_server(model: Path, work: Path) -> AsyncIterator[str]:
             "dtype": "float32",
             "max_model_len": 1024,
             "cpu_kvcache_space_gib": 1,
+            **({"extra_args": {"enforce_eager": True}} if eager else {}),
         },
         storage={"url": str(work / "objects")},
         limits={"max_prompts": 64, "max_queued_prompts": 4096},
     )
     extractor = await Extractor.start(settings)
     try:
-        server, task, url = await _serve(settings, extractor)
+        server, task, url = await serve(settings, extractor)
         try:
             yield url
         finally:
@@ -474,16 +476,14 @@ def main() -> None:
     """``python -m benchmarks.drafter_bench [--quick]``: print the rows and notes."""
     import tempfile
 
-    from benchmarks.run import _loop_factory, timed
-
     quick = "--quick" in sys.argv[1:]
     with (
         tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
-        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        asyncio.Runner(loop_factory=loop_factory()) as runner,
     ):
         found = runner.run(run(Path(scratch), timed, quick=quick))
     for row in found:
-        print(f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |")
+        print(table_line(row))
     print(NOTES)
 
 

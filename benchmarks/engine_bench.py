@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import Row, Timer, table_line, timed
 from benchmarks.engine_sides import (
     WARM_PROMPTS,
     Medians,
@@ -40,7 +41,6 @@ from benchmarks.engine_sides import (
 )
 from benchmarks.hf_pipeline import HfPipeline, LocalSink, S3Sink, Sink
 from benchmarks.rss import MIB, PeakRss, children_rss
-from benchmarks.storage_bench import Row, Timer
 from service.config import Settings
 from service.engine.tiny_models import make_model
 
@@ -85,8 +85,10 @@ def _round_mib(plan: Plan) -> int:
 
 
 FULL = Plan(1024, 8, (2, 4, 5, 8), ((256, 64), (2048, 8)), 3, 128, 2.0)
-QUICK = Plan(128, 4, (1, 2, 4), ((256, 8), (2048, 2)), 2, 16, 1.0)
+#: Every path once, small: two short prompt sets (the rows need two) and one round.
+QUICK = Plan(128, 4, (1, 2, 4), ((64, 4), (256, 2)), 1, 16, 1.0)
 
+_QUICK_ROUNDS = f"{QUICK.rounds} round{'s' if QUICK.rounds > 1 else ''}"
 NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-weight
   Llama of hidden size {FULL.hidden}, {FULL.layers} layers (intermediate 3072, 16 heads,
   8 KV heads: about 100M parameters; `service/engine/tiny_models.py`), float32, layer
@@ -100,7 +102,7 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   two-prompt warm-up. The ratio is always extraction's throughput over the other side's.
   `--quick` runs the tests' tiny model (hidden 128, 4 layers) on
   {QUICK.sets[0][1]}x{QUICK.sets[0][0]} and {QUICK.sets[1][1]}x{QUICK.sets[1][0]}
-  prompts, {QUICK.rounds} rounds: it shows that the bench runs; its numbers mean little.
+  prompts, {_QUICK_ROUNDS}: it shows that the bench runs; its numbers mean little.
   Random weights give real shapes and real costs per token, not real activation
   statistics (which only the codecs would notice).
 - **extraction vs same engine without extraction**: one hsx engine; `Extractor.extract`
@@ -359,8 +361,6 @@ def main() -> None:
     """``python -m benchmarks.engine_bench [--quick]``: print the rows."""
     import tempfile
 
-    from benchmarks.run import timed
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few prompts")
     quick = parser.parse_args().quick
@@ -370,7 +370,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hsx-engine-bench-") as tmp:
         rows = asyncio.run(run(Path(tmp), timed, quick=quick))
     for row in rows:
-        print(f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |")
+        print(table_line(row))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.common import Timer
 from benchmarks.hf_pipeline import HfPipeline, Sink
-from benchmarks.storage_bench import Timer
 
 Prompts = list[list[int]]
 Medians = dict[str, float]  # median seconds of a prompt set, per side
@@ -74,7 +74,9 @@ def extraction_side(extractor: Any) -> Side:
     keys: list[str] = []
 
     async def run(prompts: Prompts) -> None:
-        done = await asyncio.gather(*(extractor.extract(p, namespace="bench") for p in prompts))
+        done = await asyncio.gather(
+            *(extractor.extract(p, extractor.request_params("bench")) for p in prompts)
+        )
         keys.extend(r.key for r in done)
 
     async def clear() -> None:

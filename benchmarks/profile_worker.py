@@ -137,7 +137,9 @@ async def plain(extractor: Any, batch: list[list[int]]) -> None:
 
 async def extract(extractor: Any, batch: list[list[int]]) -> list[str]:
     """(b) ``Extractor.extract`` to local disk; the keys written."""
-    done = await asyncio.gather(*(extractor.extract(p, namespace="profile") for p in batch))
+    done = await asyncio.gather(
+        *(extractor.extract(p, extractor.request_params("profile")) for p in batch)
+    )
     return [d.key for d in done]
 
 
@@ -409,7 +411,7 @@ async def writer_only(args: argparse.Namespace, scratch: Path) -> None:
     import torch
 
     from service.config import StorageSettings
-    from service.engine.objects import object_metadata, serialize, serialize_parts
+    from service.engine.objects import object_metadata, serialize_parts
     from service.engine.validation import check_states
     from service.storage import open_storage
     from service.storage.keys import new_object_key
@@ -424,7 +426,7 @@ async def writer_only(args: argparse.Namespace, scratch: Path) -> None:
     def encode(way: str, state: Any) -> Any:
         check_states(state)
         if way == "bytes":
-            return serialize("raw", state, torch.arange(args.tokens), metadata)
+            return b"".join(serialize_parts("raw", state, torch.arange(args.tokens), metadata))
         return serialize_parts("raw", state, torch.arange(args.tokens), metadata)
 
     async def one(way: str, state: Any) -> str:
@@ -466,8 +468,9 @@ def interference(args: argparse.Namespace, scratch: Path) -> None:
 
     from service.config import StorageSettings
     from service.engine.completion import CompletionSender
+    from service.engine.jobs import CopyOut, PendingSave, WriteJob
     from service.engine.objects import object_metadata
-    from service.engine.writer import WriteJob, WriterPool
+    from service.engine.writer import WriterPool
     from service.storage.keys import new_object_key
 
     a, b = torch.randn(2048, 1024), torch.randn(1024, 3072)
@@ -496,14 +499,13 @@ def interference(args: argparse.Namespace, scratch: Path) -> None:
                 for _ in range(2):
                     if variant != "none":
                         for state in states:
+                            key = new_object_key("hsx", "i")
+                            ids = tuple(range(args.tokens))
+                            save = PendingSave("i", key, ids, (), metadata, tuple(LAYER_IDS))
                             job = WriteJob(
-                                new_object_key("hsx", "i"),
-                                state,
-                                torch.arange(args.tokens),
-                                metadata,
-                                state.numel() * 4,
+                                save, CopyOut({"hidden_states": state}), state.numel() * 4
                             )
-                            assert pool.try_reserve(job.nbytes)
+                            assert pool.budget.reserve(job.nbytes)
                             pool.submit(job)
                             written += 1
                     for _ in range(32):

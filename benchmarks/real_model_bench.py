@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.storage_bench import Row, Timer
+from benchmarks.common import Row, Timer, table_line, timed
 from service import codecs
 from service.config import Settings
 
@@ -240,7 +240,7 @@ async def _extract_all(extractor: Any, prompts: list[list[int]]) -> Measured:
     measured = Measured()
     for codec in CODECS:
         results = await asyncio.gather(
-            *(extractor.extract(p, namespace="real", codec=codec) for p in prompts)
+            *(extractor.extract(p, extractor.request_params("real", codec=codec)) for p in prompts)
         )
         measured.sizes[codec] = sum(r.size for r in results)
         if codec != "lossless":
@@ -295,14 +295,15 @@ def _fp8_errors(measured: Measured) -> tuple[torch.Tensor, torch.Tensor, int]:
         rel, cos = row_errors(raw["hidden_states"], fp8["hidden_states"])
         relative.append(rel)
         cosine.append(cos)
-        again = codecs.encode("fp8", raw["hidden_states"], raw["token_ids"], _user_meta(meta))
+        prepared = codecs.prepare("fp8", raw["hidden_states"])
+        again = b"".join(codecs.pack_parts("fp8", prepared, raw["token_ids"], _user_meta(meta)))
         same += again == fp8_bytes
     return torch.cat(relative), torch.cat(cosine), same
 
 
 def _user_meta(metadata: dict[str, str]) -> dict[str, str]:
-    """An object's metadata less what ``codecs.encode`` sets itself."""
-    own = {"dtype", codecs.CODEC_KEY, codecs.CODEC_VERSION_KEY}
+    """An object's metadata less what ``codecs.pack_parts`` sets itself."""
+    own = {codecs.CODEC_KEY, codecs.CODEC_VERSION_KEY}
     return {k: v for k, v in metadata.items() if k not in own}
 
 
@@ -391,9 +392,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
 
 def _hidden_size(measured: Measured) -> int:
     """The states' width, read from the first raw object's header."""
-    data = measured.objects["raw"][0]
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    return int(codecs.stored_shape(header)[-1])
+    return codecs.read_object(measured.objects["raw"][0]).shape[-1]
 
 
 if __name__ == "__main__":  # vLLM starts its engine process: guard the entry point
@@ -401,11 +400,9 @@ if __name__ == "__main__":  # vLLM starts its engine process: guard the entry po
     import tempfile
     import time
 
-    from benchmarks.run import timed
-
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hsx-real-model-bench-") as tmp:
         rows = asyncio.run(run(Path(tmp), timed, quick="--quick" in sys.argv))
     for row in rows:
-        print(f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |")
+        print(table_line(row))
     print(f"wall time: {time.perf_counter() - start:.1f} s")

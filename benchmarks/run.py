@@ -11,8 +11,6 @@ import asyncio
 import logging
 import os
 import tempfile
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from benchmarks import (
@@ -26,7 +24,7 @@ from benchmarks import (
     storage_bench,
     validation_bench,
 )
-from benchmarks.storage_bench import Row
+from benchmarks.common import Row, loop_factory, table_line, timed
 
 #: Benches on the engine, in the order of the table; each takes ``quick``.
 ENGINE_BENCHES = (
@@ -41,24 +39,6 @@ ENGINE_BENCHES = (
 ALL_BENCHES = (storage_bench, validation_bench, copy_bench, *ENGINE_BENCHES)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-
-
-async def timed(fn: Callable[[], Awaitable[object]], repeats: int) -> list[float]:
-    """Wall times of ``repeats`` calls of ``fn``."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        await fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def main() -> None:
@@ -88,7 +68,7 @@ def main() -> None:
         rows += asyncio.run(copy_bench.run(Path(scratch), timed, quick=quick))
         # The event loop `hsx serve` gets from uvicorn (uvloop when installed), for
         # both sides of the comparison.
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             for bench in ENGINE_BENCHES:
                 rows += runner.run(bench.run(Path(scratch), timed, quick=quick))
     if not quick:
@@ -108,13 +88,9 @@ HEADER = [
 ]
 
 
-def _line(row: Row) -> str:
-    return f"| {row.name} | {row.ours} | {row.baseline} | {row.ratio:.2f} | {row.target} |"
-
-
 def _document(rows: list[Row], kept: list[str] | None = None) -> str:
     """The whole of docs/benchmarks.md: the table (``kept`` lines first), every note."""
-    lines = [*HEADER, *(kept or []), *(_line(row) for row in rows)]
+    lines = [*HEADER, *(kept or []), *(table_line(row) for row in rows)]
     text = "\n".join(lines) + "\n"
     print(text)
     notes = "".join(module.NOTES for module in ALL_BENCHES)
@@ -130,7 +106,7 @@ def _run_only(names: list[str], quick: bool) -> None:
     rows: list[Row] = []
     with (
         tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
-        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        asyncio.Runner(loop_factory=loop_factory()) as runner,
     ):
         for module in modules:
             rows += runner.run(module.run(Path(scratch), timed, quick=quick))

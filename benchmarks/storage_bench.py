@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.common import Row, Timer, ms
 from service.config import S3StorageSettings, StorageSettings
 from service.storage import open_storage
 from service.storage.keys import new_object_key
 
 MIB = 1024 * 1024
-Timer = Callable[[Callable[[], Awaitable[object]], int], Awaitable[list[float]]]
 
 NOTES = """## What each row measures
 
@@ -27,21 +25,8 @@ NOTES = """## What each row measures
 """
 
 
-@dataclass
-class Row:
-    name: str
-    ours: str
-    baseline: str
-    ratio: float
-    target: str
-
-
 def _data(size: int) -> bytes:
     return hashlib.shake_256(b"bench").digest(size)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"
 
 
 async def _local(scratch: Path, timer: Timer) -> Row:
@@ -61,7 +46,7 @@ async def _local(scratch: Path, timer: Timer) -> Row:
         base_t += await timer(baseline, 1)
     await storage.close()
     o, b = sorted(ours_t)[2], sorted(base_t)[2]
-    return Row("local publish (fsync+sha256) vs plain write, 64 MiB", _ms(o), _ms(b), o / b, "info")
+    return Row("local publish (fsync+sha256) vs plain write, 64 MiB", ms(o), ms(b), o / b, "info")
 
 
 async def _s3(timer: Timer) -> Row:
@@ -98,7 +83,7 @@ async def _s3(timer: Timer) -> Row:
     await sequential.close()
     server.stop()
     p, s = sorted(par_t)[1], sorted(seq_t)[1]
-    return Row("S3 multipart 64 MiB: 8 parallel parts vs 1 (moto)", _ms(p), _ms(s), p / s, "<= 1.0")
+    return Row("S3 multipart 64 MiB: 8 parallel parts vs 1 (moto)", ms(p), ms(s), p / s, "<= 1.0")
 
 
 async def run(scratch: Path, timer: Timer) -> list[Row]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.storage_bench import Row, Timer
+from benchmarks.common import Row, Timer
 
 NOTES = """- **state validation vs serialisation**: `check_states` (every value finite, no layer
   all zeros: a max and a min per layer) on a float32 [8192, 4, 1024] tensor (128 MiB:
@@ -17,7 +17,7 @@ async def run(scratch: Path, timer: Timer) -> list[Row]:
     """One row: validation time, serialisation time, their ratio."""
     import torch
 
-    from service.engine.objects import object_metadata, serialize
+    from service.engine.objects import object_metadata, serialize_parts
     from service.engine.validation import check_states
 
     states = torch.randn(8192, 4, 1024)
@@ -30,7 +30,7 @@ async def run(scratch: Path, timer: Timer) -> list[Row]:
         return None
 
     async def baseline() -> object:
-        return serialize("raw", states, token_ids, metadata)
+        return b"".join(serialize_parts("raw", states, token_ids, metadata))
 
     ours_t, base_t = [], []
     for _ in range(5):  # interleaved, so drift hits both sides

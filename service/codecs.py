@@ -5,32 +5,16 @@ decodes) and for clients, so it imports nothing of hsx and only torch (and its n
 safetensors and zstandard (lazily, so the codec names cost nothing to import). Every
 codec writes a valid safetensors file with ``token_ids`` int64 [T] and string
 ``__metadata__`` naming the codec (``hsx.codec``), the format version
-(``hsx.codec_version``) and the dtype the states decode to (``dtype``, the model's):
+(``hsx.codec_version``) and the dtype the states decode to (``dtype``, the model's).
 
-``raw``
-    ``hidden_states`` [T, L, H] in the model dtype: vLLM's example-connector layout.
-``bf16``
-    ``hidden_states`` cast to bfloat16: a downcast for models served in float32.
-``fp8``
-    ``hidden_states`` float8_e4m3fn and ``hidden_states_scales`` float32 [T, L, 1], one
-    scale per (token, layer), so ``states = hidden_states.float() * scales``. This is
-    hs-connectors' layout (``fp8_utils.py``), so its ``FP8Transfer`` and the trainers
-    behind it read these objects unchanged. Values are clamped to float8's range
-    before the cast (float8_e4m3fn has no infinity: an overflow is NaN on CUDA).
-``lossless``
-    The model dtype's byte planes: the most significant byte (sign and exponent bits)
-    compressed with zstd as ``hidden_states.exponent_zstd`` (uint8 [bytes]: one zstd
-    frame of the plane in layer-major order [L, T, H], each layer starting a new zstd
-    block), the other bytes raw as ``hidden_states.rest`` (uint8 [element_size - 1, T,
-    L, H], most significant first). Exponents of activations are few and skewed,
-    mantissas are noise: compressing only the exponent plane gets nearly all the gain of
-    compressing everything, at a fraction of the CPU. Each layer has its own scale, so
-    its own exponent histogram: a block per layer gets its own Huffman table. Version 1
-    (still read) stored the exponent plane token-major [T, L, H]. Decoding is bit-exact.
+Each codec is one :class:`CodecImpl` subclass registered in :data:`CODECS` (its class
+docstring gives its layout); everything that names the codecs (the ``Codec`` type, the
+settings, the API's schema, ``offered``) derives from that registry, so a new codec is
+one class here and its test.
 
 Encoding has two stages so a GPU can do the first before the device-to-host copy:
-``prepare`` (a tensor transform; runs on any device) and ``pack`` (CPU: byte planes,
-zstd, safetensors). ``encode`` is both; ``decode`` reads any codec back.
+``prepare`` (a tensor transform; runs on any device) and ``pack_parts`` (CPU: byte
+planes, zstd, safetensors). ``decode`` reads any codec back.
 """
 
 from __future__ import annotations
@@ -38,18 +22,17 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
     import zstandard
 
-Codec = Literal["raw", "fp8", "bf16", "lossless"]
-CODECS: tuple[Codec, ...] = get_args(Codec)
-#: Version of the codec layouts above; bumped when one of them changes. Readers read every
+#: Version of the codec layouts; bumped when one of them changes. Readers read every
 #: version up to theirs. 2: ``lossless``'s exponent plane is layer-major (1: token-major).
 CODEC_VERSION = "2"
 CODEC_KEY = "hsx.codec"
@@ -82,8 +65,13 @@ ZSTD_PARAMS = {
 #: on the worst rows of 128-wide Gaussian states).
 FP8_SCALE_STEPS = 4
 LOSSLESS_DTYPES = ("float32", "bfloat16", "float16")
-#: Tensors a codec writes for the states; every other tensor is stored as it is.
-_CODEC_TENSORS = frozenset({"hidden_states", SCALES, EXPONENT_PLANE, REST_PLANES})
+#: Dtypes states decode to: the model dtypes hsx serves.
+MODEL_DTYPES = LOSSLESS_DTYPES
+#: Bytes per element of each model dtype.
+_MODEL_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+Shape = tuple[int, int, int]
+"""[T, L, H]: tokens, layers, hidden size."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -91,9 +79,245 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def states_nbytes(shape: Shape, dtype: torch.dtype) -> int:
+    """Bytes of states of ``shape`` in ``dtype`` (a model-dtype host copy)."""
+    import torch
+
+    tokens, layers, hidden = shape
+    return tokens * layers * hidden * int(torch.empty((), dtype=dtype).element_size())
+
+
+# ==============================
+# The codecs
+# ==============================
+
+
+class CodecImpl(ABC):
+    """One codec: the tensors it stores for the states, and the way back.
+
+    A subclass names itself (``name``, the ``hsx.codec`` of its objects) and is
+    registered with ``@register``; the module's public functions dispatch to it. Only
+    the states' tensors are the codec's: ``token_ids``, ``loss_mask`` and the metadata
+    are written and checked alike for every codec.
+    """
+
+    name: ClassVar[str]
+    #: A few words on what it stores, for settings and schema descriptions (``describe``).
+    summary: ClassVar[str]
+    #: The tensors it writes for the states (``decode`` returns every other as stored).
+    tensor_names: ClassVar[frozenset[str]] = frozenset({"hidden_states"})
+    #: Whether its objects must name the dtype they decode to (``raw`` objects from
+    #: before the metadata named it need not).
+    needs_dtype: ClassVar[bool] = True
+
+    def offered_for(self, model_dtype: str) -> bool:
+        """Whether a server of ``model_dtype`` offers it."""
+        return True
+
+    @abstractmethod
+    def prepare(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Stage one, on the states' device: the tensors to copy to the host."""
+
+    @abstractmethod
+    def prepared_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        """Host bytes of ``prepare``'s tensors for states of ``shape`` and ``dtype``."""
+
+    def to_tensors(self, prepared: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stage two, on the CPU: the contiguous tensors stored for ``prepare``'s."""
+        return {name: t.contiguous() for name, t in prepared.items()}
+
+    def restore(self, prepared: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The states ``prepare``'s tensors stand for, to validate them before storing."""
+        return prepared["hidden_states"]
+
+    @abstractmethod
+    def check(self, tensor: TensorCheck, dtype: str | None) -> list[int]:
+        """[T, L, H] of the states an object's header describes, each of the codec's
+        tensors checked with ``tensor`` (CorruptObjectError otherwise). ``dtype`` is
+        the object's model dtype (None only where ``needs_dtype`` is False)."""
+
+    @abstractmethod
+    def from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, version: int
+    ) -> torch.Tensor:
+        """The states, in ``dtype``, of an object's (checked) tensors of codec ``version``."""
+
+
+#: Every codec by name, in the order they are offered and listed.
+CODECS: dict[str, CodecImpl] = {}
+
+_C = TypeVar("_C", bound=type[CodecImpl])
+
+
+def register(cls: _C) -> _C:
+    """Class decorator: add an instance of ``cls`` to ``CODECS`` under ``cls.name``."""
+    CODECS[cls.name] = cls()
+    return cls
+
+
+@register
+class RawCodec(CodecImpl):
+    """``raw``: ``hidden_states`` [T, L, H] in the model dtype, vLLM's example-connector
+    layout."""
+
+    name = "raw"
+    summary = "model dtype"
+    needs_dtype = False
+
+    def prepare(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden_states": states}
+
+    def prepared_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        return states_nbytes(shape, dtype)
+
+    def check(self, tensor: TensorCheck, dtype: str | None) -> list[int]:
+        wanted = [_ST_NAME[dtype]] if dtype else ["F32", "BF16", "F16"]
+        return list(tensor("hidden_states", wanted, 3))
+
+    def from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, version: int
+    ) -> torch.Tensor:
+        return tensors["hidden_states"]
+
+
+@register
+class Fp8Codec(CodecImpl):
+    """``fp8``: ``hidden_states`` float8_e4m3fn and ``hidden_states_scales`` float32
+    [T, L, 1], one scale per (token, layer), so ``states = hidden_states.float() *
+    scales``.
+
+    This is hs-connectors' layout (``fp8_utils.py``), so its ``FP8Transfer`` and the
+    trainers behind it read these objects unchanged. Values are clamped to float8's
+    range before the cast (float8_e4m3fn has no infinity: an overflow is NaN on CUDA).
+    It shrinks on the device, so on a GPU the device-to-host copy shrinks too.
+    """
+
+    name = "fp8"
+    summary = "float8 plus per-row scales, hs-connectors' layout"
+    tensor_names = frozenset({"hidden_states", SCALES})
+
+    def prepare(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
+        quantized, scales = quantize_fp8(states)
+        return {"hidden_states": quantized, SCALES: scales}
+
+    def prepared_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        tokens, layers, hidden = shape
+        return tokens * layers * (hidden + 4)  # one byte per value, a float32 per row
+
+    def restore(self, prepared: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return prepared["hidden_states"].float() * prepared[SCALES]  # float32
+
+    def check(self, tensor: TensorCheck, dtype: str | None) -> list[int]:
+        shape = list(tensor("hidden_states", ["F8_E4M3"], 3))
+        if tensor(SCALES, ["F32"], 3) != (*shape[:2], 1):
+            raise _corrupt(f"{SCALES} must be [T, L, 1] for states {shape}")
+        return shape
+
+    def from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, version: int
+    ) -> torch.Tensor:
+        return (tensors["hidden_states"].float() * tensors[SCALES]).to(dtype)
+
+
+@register
+class Bf16Codec(CodecImpl):
+    """``bf16``: ``hidden_states`` cast to bfloat16, a downcast offered for models
+    served in float32 only. It shrinks on the device, as ``fp8`` does."""
+
+    name = "bf16"
+    summary = "float32 models only"
+
+    def offered_for(self, model_dtype: str) -> bool:
+        return model_dtype == "float32"
+
+    def prepare(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
+        import torch
+
+        return {"hidden_states": states.to(torch.bfloat16)}
+
+    def prepared_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        tokens, layers, hidden = shape
+        return tokens * layers * hidden * 2
+
+    def check(self, tensor: TensorCheck, dtype: str | None) -> list[int]:
+        return list(tensor("hidden_states", ["BF16"], 3))
+
+    def from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, version: int
+    ) -> torch.Tensor:
+        return tensors["hidden_states"].to(dtype)
+
+
+@register
+class LosslessCodec(CodecImpl):
+    """``lossless``: the model dtype's byte planes, bit-exact.
+
+    The most significant byte (sign and exponent bits) is compressed with zstd as
+    ``hidden_states.exponent_zstd`` (uint8 [bytes]: one zstd frame of the plane in
+    layer-major order [L, T, H], each layer starting a new zstd block), the other bytes
+    stored raw as ``hidden_states.rest`` (uint8 [element_size - 1, T, L, H], most
+    significant first). Exponents of activations are few and skewed, mantissas are
+    noise: compressing only the exponent plane gets nearly all the gain of compressing
+    everything, at a fraction of the CPU. Each layer has its own scale, so its own
+    exponent histogram: a block per layer gets its own Huffman table. Version 1 (still
+    read) stored the exponent plane token-major [T, L, H]. zstd runs on the CPU, so the
+    states cross to the host as they are.
+    """
+
+    name = "lossless"
+    summary = "zstd exponent plane, bit-exact"
+    tensor_names = frozenset({EXPONENT_PLANE, REST_PLANES})
+
+    def prepare(self, states: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden_states": states}
+
+    def prepared_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        return states_nbytes(shape, dtype)
+
+    def to_tensors(self, prepared: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return split_planes(prepared["hidden_states"])
+
+    def check(self, tensor: TensorCheck, dtype: str | None) -> list[int]:
+        element = _MODEL_SIZES[dtype or ""]
+        planes, *shape = tensor(REST_PLANES, ["U8"], 4)
+        tensor(EXPONENT_PLANE, ["U8"], 1)
+        if planes != element - 1:
+            raise _corrupt(f"{REST_PLANES} holds {planes} byte planes; {dtype} needs {element - 1}")
+        return shape
+
+    def from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, version: int
+    ) -> torch.Tensor:
+        assert dtype is not None  # needs_dtype: read_object refused an object without
+        return join_planes(tensors[EXPONENT_PLANE], tensors[REST_PLANES], dtype, version != 1)
+
+
+if TYPE_CHECKING:
+    Codec = str
+else:
+    #: A codec's name: at run time the Literal of the registered names, so pydantic
+    #: fields of this type validate, document (the OpenAPI enum) and refuse by them.
+    Codec = Literal[tuple(CODECS)]
+
+
+def codec_impl(codec: str) -> CodecImpl:
+    """The registered codec ``codec``; ValueError naming the choices otherwise."""
+    impl = CODECS.get(codec)
+    if impl is None:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    return impl
+
+
+def describe() -> str:
+    """Every codec with its summary, for descriptions: "`raw` (model dtype), ... or
+    `lossless` (...)"."""
+    named = [f"`{name}` ({impl.summary})" for name, impl in CODECS.items()]
+    return ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else "".join(named)
+
+
 def offered(model_dtype: str) -> list[Codec]:
-    """The codecs a server of ``model_dtype`` offers: ``bf16`` only downcasts float32."""
-    return [c for c in CODECS if c != "bf16" or model_dtype == "float32"]
+    """The codecs a server of ``model_dtype`` offers (``bf16`` only downcasts float32)."""
+    return [name for name, impl in CODECS.items() if impl.offered_for(model_dtype)]
 
 
 def check_codec(codec: str, model_dtype: str) -> Codec:
@@ -130,43 +354,17 @@ def prepare(codec: Codec, states: torch.Tensor) -> dict[str, torch.Tensor]:
     ``fp8`` and ``bf16`` shrink here, so on a GPU the device-to-host copy shrinks too;
     ``raw`` and ``lossless`` pass the states through (zstd runs on the CPU).
     """
-    import torch
-
-    if codec == "fp8":
-        quantized, scales = quantize_fp8(states)
-        return {"hidden_states": quantized, SCALES: scales}
-    if codec == "bf16":
-        return {"hidden_states": states.to(torch.bfloat16)}
-    if codec in ("raw", "lossless"):
-        return {"hidden_states": states}
-    raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    return codec_impl(codec).prepare(states)
 
 
-def prepared_nbytes(codec: Codec, shape: tuple[int, int, int], dtype: torch.dtype) -> int:
+def prepared_nbytes(codec: Codec, shape: Shape, dtype: torch.dtype) -> int:
     """Host bytes of ``prepare``'s tensors for states of ``shape`` and ``dtype``."""
-    import torch
-
-    tokens, layers, hidden = shape
-    if codec == "fp8":
-        return tokens * layers * (hidden + 4)  # one byte per value, a float32 per row
-    size = 2 if codec == "bf16" else torch.empty((), dtype=dtype).element_size()
-    return tokens * layers * hidden * size
+    return codec_impl(codec).prepared_nbytes(shape, dtype)
 
 
-def pack(
-    codec: Codec,
-    prepared: Mapping[str, torch.Tensor],
-    token_ids: torch.Tensor,
-    metadata: Mapping[str, str],
-    extra: Mapping[str, torch.Tensor] | None = None,
-) -> bytes:
-    """Stage two, on the CPU: the object's safetensors bytes.
-
-    ``metadata`` must name the model ``dtype`` the states decode to; ``hsx.codec`` and
-    ``hsx.codec_version`` are set here. ``extra`` tensors (e.g. ``loss_mask``) are
-    stored as they are.
-    """
-    return b"".join(pack_parts(codec, prepared, token_ids, metadata, extra))
+def restore(codec: Codec, prepared: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The states ``prepare``'s tensors stand for (float32 for fp8; lossless: as is)."""
+    return codec_impl(codec).restore(prepared)
 
 
 def pack_parts(
@@ -176,46 +374,53 @@ def pack_parts(
     metadata: Mapping[str, str],
     extra: Mapping[str, torch.Tensor] | None = None,
 ) -> list[bytes | memoryview]:
-    """``pack``'s bytes in pieces, without copying the tensors: the safetensors header,
-    then each tensor's own memory (the pieces keep the tensors alive).
+    """Stage two, on the CPU: the object's safetensors bytes in pieces, without copying
+    the tensors: the safetensors header, then each tensor's own memory (the pieces keep
+    the tensors alive).
 
-    The writer hands the pieces to storage as they are, so an object's states are read
-    once, by the write, instead of being copied into one buffer first.
+    ``metadata`` must name the model ``dtype`` the states decode to; ``hsx.codec`` and
+    ``hsx.codec_version`` are set here. ``extra`` tensors (e.g. ``loss_mask``) are
+    stored as they are. The writer hands the pieces to storage as they are, so an
+    object's states are read once, by the write, instead of being copied into one
+    buffer first.
     """
     import torch
 
     if "dtype" not in metadata:
         raise ValueError("metadata must name the states' dtype")
-    tensors = {name: t.contiguous() for name, t in prepared.items()}
-    if codec == "lossless":
-        tensors = split_planes(tensors["hidden_states"])
+    tensors = codec_impl(codec).to_tensors(prepared)
     tensors["token_ids"] = token_ids.to(torch.int64).contiguous()
     tensors.update({name: t.contiguous() for name, t in (extra or {}).items()})
     meta = {**metadata, CODEC_KEY: codec, CODEC_VERSION_KEY: CODEC_VERSION}
     return safetensors_parts(tensors, meta)
 
 
-#: safetensors' dtype names, in the order its writer ranks them: tensors are laid out
-#: highest rank first (then by name), so our bytes equal ``safetensors.torch.save``'s.
-_SAFETENSORS_DTYPES = (
-    ("bool", "BOOL"),
-    ("uint8", "U8"),
-    ("int8", "I8"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("int16", "I16"),
-    ("uint16", "U16"),
-    ("float16", "F16"),
-    ("bfloat16", "BF16"),
-    ("int32", "I32"),
-    ("uint32", "U32"),
-    ("float32", "F32"),
-    ("float64", "F64"),
-    ("int64", "I64"),
-    ("uint64", "U64"),
+#: safetensors' dtypes: the torch name, safetensors' name, bytes per element and the
+#: numpy dtype (None: numpy has none), in the order its writer ranks them: tensors are
+#: laid out highest rank first (then by name), so our bytes equal
+#: ``safetensors.torch.save``'s.
+_SAFETENSORS_DTYPES: tuple[tuple[str, str, int, str | None], ...] = (
+    ("bool", "BOOL", 1, "?"),
+    ("uint8", "U8", 1, "u1"),
+    ("int8", "I8", 1, "i1"),
+    ("float8_e5m2", "F8_E5M2", 1, None),
+    ("float8_e4m3fn", "F8_E4M3", 1, None),
+    ("int16", "I16", 2, "<i2"),
+    ("uint16", "U16", 2, "<u2"),
+    ("float16", "F16", 2, "<f2"),
+    ("bfloat16", "BF16", 2, None),
+    ("int32", "I32", 4, "<i4"),
+    ("uint32", "U32", 4, "<u4"),
+    ("float32", "F32", 4, "<f4"),
+    ("float64", "F64", 8, "<f8"),
+    ("int64", "I64", 8, "<i8"),
+    ("uint64", "U64", 8, "<u8"),
 )
-_ST_NAME = {torch_name: st for torch_name, st in _SAFETENSORS_DTYPES}
-_ST_RANK = {torch_name: rank for rank, (torch_name, _) in enumerate(_SAFETENSORS_DTYPES)}
+_ST_NAME = {torch_name: st for torch_name, st, _, _ in _SAFETENSORS_DTYPES}
+_ST_RANK = {row[0]: rank for rank, row in enumerate(_SAFETENSORS_DTYPES)}
+#: Bytes per element of each safetensors dtype.
+_ST_SIZES = {st: size for _, st, size, _ in _SAFETENSORS_DTYPES}
+_ST_NUMPY = {st: numpy for _, st, _, numpy in _SAFETENSORS_DTYPES}
 
 
 def safetensors_parts(
@@ -251,17 +456,6 @@ def safetensors_parts(
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
     return [len(text).to_bytes(8, "little") + text, *views]
-
-
-def encode(
-    codec: Codec,
-    states: torch.Tensor,
-    token_ids: torch.Tensor,
-    metadata: Mapping[str, str] | None = None,
-) -> bytes:
-    """One object's bytes: ``states`` [T, L, H] stored with ``codec``."""
-    meta = {**(metadata or {}), "dtype": dtype_name(states.dtype)}
-    return pack(codec, prepare(codec, states.cpu()), token_ids, meta)
 
 
 def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,26 +567,6 @@ class CorruptObjectError(ValueError):
 
 #: safetensors' own ceiling on the JSON header; its reader refuses a longer one.
 MAX_HEADER_BYTES = 100_000_000
-#: Dtypes states decode to: the model dtypes hsx serves.
-MODEL_DTYPES = LOSSLESS_DTYPES
-#: Bytes per element of each safetensors dtype.
-_ST_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-}
 #: Smallest zstd window a reader accepts for an exponent plane; the plane's own size
 #: when larger (a frame whose content size is known uses that as its window).
 _MIN_WINDOW = 1 << 20
@@ -431,6 +605,26 @@ class ObjectHeader:
         """The bytes of tensor ``name`` in ``data`` (the object this header was read from)."""
         entry = self.tensors[name]
         return memoryview(data)[entry.begin : entry.end]
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """Checks the tensors of one object's header against what its codec writes."""
+
+    codec: str
+    tensors: Mapping[str, TensorEntry]
+
+    def __call__(self, name: str, dtypes: Sequence[str], rank: int) -> tuple[int, ...]:
+        """The shape of tensor ``name``: CorruptObjectError unless it is there, of one of
+        ``dtypes`` (safetensors' names, the one the codec writes first) and ``rank``."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise _corrupt(f"a {self.codec} object needs the tensor {name!r}")
+        if entry.dtype not in dtypes or len(entry.shape) != rank:
+            raise _corrupt(
+                f"{name} is {entry.dtype} {list(entry.shape)}; {self.codec} writes {dtypes[0]}"
+            )
+        return entry.shape
 
 
 def _corrupt(reason: str) -> CorruptObjectError:
@@ -520,15 +714,12 @@ def read_object(data: bytes | memoryview) -> ObjectHeader:
 
     Every codec: ``token_ids`` int64 [T], ``loss_mask`` (if any) uint8 [T], the
     ``dtype`` a model dtype, ``layer_ids`` (if any) a JSON list of one integer per
-    layer. Then the states' tensors as the codec writes them: ``raw`` a float
-    ``hidden_states`` [T, L, H] of the object's dtype; ``bf16`` bfloat16; ``fp8``
-    float8_e4m3fn with float32 ``hidden_states_scales`` [T, L, 1]; ``lossless`` uint8
-    ``hidden_states.rest`` [element size - 1, T, L, H] and a one-dimensional uint8
-    ``hidden_states.exponent_zstd``.
+    layer. Then the states' tensors as the codec writes them (``CodecImpl.check``).
     """
     metadata, tensors = read_safetensors_header(data)
     codec = codec_of(metadata)
-    if codec not in CODECS:
+    impl = CODECS.get(codec)
+    if impl is None:
         raise ValueError(f"unknown codec {codec!r}; this reader knows {', '.join(CODECS)}")
     version = metadata.get(CODEC_VERSION_KEY, "1")  # objects from before versions: 1
     if not version.isdigit() or not 1 <= int(version) <= int(CODEC_VERSION):
@@ -539,35 +730,11 @@ def read_object(data: bytes | memoryview) -> ObjectHeader:
     dtype = metadata.get("dtype")
     if dtype is not None and dtype not in MODEL_DTYPES:
         raise _corrupt(f"dtype {dtype[:32]!r} is not one of {', '.join(MODEL_DTYPES)}")
-    if dtype is None and codec != "raw":
+    if dtype is None and impl.needs_dtype:
         raise _corrupt(f"a {codec} object must name the dtype its states decode to")
-
-    def tensor(name: str, dtypes: Sequence[str], rank: int) -> tuple[int, ...]:
-        entry = tensors.get(name)
-        if entry is None:
-            raise _corrupt(f"a {codec} object needs the tensor {name!r}")
-        if entry.dtype not in dtypes or len(entry.shape) != rank:
-            raise _corrupt(
-                f"{name} is {entry.dtype} {list(entry.shape)}; {codec} writes {dtypes[0]}"
-            )
-        return entry.shape
-
+    tensor = TensorCheck(codec, tensors)
     tokens = tensor("token_ids", ["I64"], 1)[0]
-    if codec == "lossless":
-        element = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype or ""]
-        planes, *shape = tensor(REST_PLANES, ["U8"], 4)
-        tensor(EXPONENT_PLANE, ["U8"], 1)
-        if planes != element - 1:
-            raise _corrupt(f"{REST_PLANES} holds {planes} byte planes; {dtype} needs {element - 1}")
-    else:
-        wanted = {
-            "raw": [_ST_NAME[dtype]] if dtype else ["F32", "BF16", "F16"],
-            "bf16": ["BF16"],
-            "fp8": ["F8_E4M3"],
-        }[codec]
-        shape = list(tensor("hidden_states", wanted, 3))
-        if codec == "fp8" and tensor(SCALES, ["F32"], 3) != (*shape[:2], 1):
-            raise _corrupt(f"{SCALES} must be [T, L, 1] for states {shape}")
+    shape = impl.check(tensor, dtype)
     if shape[0] != tokens:
         raise _corrupt(f"states of {shape[0]} tokens, token_ids of {tokens}")
     if "loss_mask" in tensors and tensor("loss_mask", ["U8"], 1)[0] != tokens:
@@ -575,6 +742,21 @@ def read_object(data: bytes | memoryview) -> ObjectHeader:
     layer_ids = _layer_ids(metadata, shape[1])
     states = (shape[0], shape[1], shape[2])
     return ObjectHeader(metadata, tensors, codec, int(version), states, dtype, layer_ids)
+
+
+def read_tensor(data: bytes | memoryview, header: ObjectHeader, name: str) -> np.ndarray[Any, Any]:
+    """Tensor ``name`` of the object ``header`` was read from (``read_object``), as a
+    read-only numpy view of ``data`` in its shape: no copy, nothing else decoded.
+
+    ValueError for a dtype numpy has no type for (bfloat16, float8).
+    """
+    import numpy as np
+
+    entry = header.tensors[name]
+    numpy = _ST_NUMPY[entry.dtype]
+    if numpy is None:
+        raise ValueError(f"{name} is {entry.dtype}, which numpy has no dtype for")
+    return np.frombuffer(header.bytes_of(data, name), dtype=np.dtype(numpy)).reshape(entry.shape)
 
 
 def _layer_ids(metadata: Mapping[str, str], layers: int) -> tuple[int, ...] | None:
@@ -588,13 +770,6 @@ def _layer_ids(metadata: Mapping[str, str], layers: int) -> tuple[int, ...] | No
     if not _ints(ids) or len(ids) != layers:
         raise _corrupt(f"layer_ids {text[:64]!r} is not a JSON list of {layers} layer ids")
     return tuple(ids)
-
-
-def stored_shape(header: Mapping[str, Any]) -> tuple[int, ...]:
-    """[T, L, H] of the states an object's safetensors header describes, any codec."""
-    if REST_PLANES in header:
-        return tuple(header[REST_PLANES]["shape"][1:])
-    return tuple(header["hidden_states"]["shape"])
 
 
 def codec_of(metadata: Mapping[str, str]) -> str:
@@ -620,25 +795,10 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     except Exception as exc:  # checked above as strictly as safetensors checks
         raise _corrupt(f"safetensors could not read it ({exc})") from None
     dtype = getattr(torch, header.dtype) if header.dtype else None
-    if header.codec == "raw":
-        states = tensors["hidden_states"]
-    elif header.codec == "fp8":
-        states = (tensors["hidden_states"].float() * tensors[SCALES]).to(dtype)
-    elif header.codec == "bf16":
-        states = tensors["hidden_states"].to(dtype)
-    else:
-        layer_major = header.version != 1
-        states = join_planes(tensors[EXPONENT_PLANE], tensors[REST_PLANES], dtype, layer_major)
-    others = {k: v for k, v in tensors.items() if k not in _CODEC_TENSORS}
+    states = CODECS[header.codec].from_tensors(tensors, dtype, header.version)
+    codec_tensors = frozenset().union(*(impl.tensor_names for impl in CODECS.values()))
+    others = {k: v for k, v in tensors.items() if k not in codec_tensors}
     return {"hidden_states": states, **others}, header.metadata
-
-
-def restore(codec: Codec, prepared: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The states ``prepare``'s tensors stand for (float32 for fp8; lossless: as is)."""
-    states = prepared["hidden_states"]
-    if codec == "fp8":
-        return states.float() * prepared[SCALES]
-    return states
 
 
 def join_planes(

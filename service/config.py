@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service import codecs
 from service.codecs import Codec
 
 MIB = 1024 * 1024
@@ -240,8 +241,7 @@ class StorageSettings(BaseModel):
     codec: Codec = Field(
         "raw",
         description="How objects store their states unless a request says otherwise: "
-        "`raw` (model dtype), `fp8` (float8 plus per-row scales, hs-connectors' layout), "
-        "`bf16` (float32 models only) or `lossless` (zstd exponent plane, bit-exact).",
+        f"{codecs.describe()}.",
     )
     local: LocalStorageSettings = Field(default_factory=LocalStorageSettings)
     s3: S3StorageSettings = Field(default_factory=S3StorageSettings)

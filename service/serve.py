@@ -92,19 +92,37 @@ def serve(settings: Settings) -> int:
 
 
 def _serve(settings: Settings) -> int:
-    """Check what can be checked, bind the port, then start uvicorn and the engine."""
+    """Check what can be checked, bind the port, then start uvicorn and the engine.
+
+    What the checks prove (the model's config, the layer ids, the open storage) is
+    handed to the engine (``service.engine.builder.Prepared``): nothing is read or
+    opened twice.
+    """
+    from service.metrics import ExtractorMetrics
+    from service.storage import scheme_of
+
     server_settings = settings.server
     secret = server_settings.api_keys
     inline = secret.get_secret_value() if secret is not None else None
     keys = startup.check_api_keys(server_settings.api_keys_file, inline)
-    asyncio.run(startup.check_storage(settings))
-    sock = startup.bind(server_settings.host, server_settings.port)
-    try:
+    metrics = ExtractorMetrics(scheme_of(settings.storage.url))
+    storage = asyncio.run(startup.check_storage(settings, metrics.storage))
+    sock = None
+    try:  # until the app's lifespan takes the storage over (the extractor closes it)
+        sock = startup.bind(server_settings.host, server_settings.port)
         settings = with_demo_model(settings)
-        startup.check_model(str(settings.engine.model), settings.engine.layer_ids)
-        from service.api.app import create_app  # imports vLLM: after the quick checks
+        info, layer_ids = startup.check_model(str(settings.engine.model), settings.engine.layer_ids)
+        from service.api.app import create_app, mark_draining  # vLLM: after the quick checks
+        from service.engine.builder import Prepared
 
-        app = create_app(settings, keys=keys)
+        prepared = Prepared(info, layer_ids, storage, metrics)
+        app = create_app(settings, keys=keys, prepared=prepared)
+    except BaseException:
+        asyncio.run(storage.close())
+        if sock is not None:
+            sock.close()
+        raise
+    try:
         failures = _remember_startup_failure(app)
         raise_open_files_limit(server_settings.max_connections)
         config = uvicorn.Config(
@@ -115,7 +133,7 @@ def _serve(settings: Settings) -> int:
             log_config=None,  # uvicorn's records go through service.logs' handlers
             **uvicorn_options(settings),  # connection bounds, no server header
         )
-        server = DrainingServer(config, on_exit=lambda: setattr(app.state.hsx, "draining", True))
+        server = DrainingServer(config, on_exit=lambda: mark_draining(app))
         # After its graceful shutdown uvicorn re-raises the signal to the handler that
         # was installed before it started. A drained SIGTERM is a clean stop: make that
         # handler a no-op so the exit status is 0 (Kubernetes reads anything else as a

@@ -13,10 +13,15 @@ import difflib
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import SettingsError
+
+if TYPE_CHECKING:
+    from service.config import Settings
+    from service.engine.builder import ModelInfo
+    from service.storage import Storage, StorageObserver
 
 ENV_PREFIX = "HSX_"
 #: Exit status of a start-up error: 2 for a wrong setting (as argparse), 1 otherwise.
@@ -141,31 +146,32 @@ def check_api_keys(path: Path | None, inline: str | None) -> Any:
         ) from exc
 
 
-async def check_storage(settings: Any) -> None:
-    """Open the configured storage and ping it once."""
+async def check_storage(settings: Settings, observer: StorageObserver | None = None) -> Storage:
+    """The configured storage, open and answering its ping (instrumented, reporting to
+    ``observer``); the caller owns it."""
     from service.storage import open_storage
 
     url = settings.storage.url
     fix = "use a writable directory, file:///abs/path or s3://bucket/prefix"
     try:
-        storage = open_storage(settings.storage)
+        storage = open_storage(settings.storage, observer)
     except Exception as exc:
         raise StartupError("storage.url", f"{url!r} is unusable: {exc}", fix) from exc
     try:
         await storage.ping()
     except Exception as exc:
+        await storage.close()
         fix = (
             "check the bucket, endpoint, region and AWS credentials"
             if url.startswith("s3://")
             else fix
         )
         raise StartupError("storage.url", f"{url!r} does not answer: {exc}", fix, FAILED) from exc
-    finally:
-        await storage.close()
+    return storage
 
 
-def check_model(model: str, layer_ids: list[int] | None) -> None:
-    """The model's config loads and the layer ids fit it."""
+def check_model(model: str, layer_ids: list[int] | None) -> tuple[ModelInfo, list[int]]:
+    """The model's config (it loads) and the layer ids (they fit it)."""
     from service.engine.builder import read_model_info, resolve_layer_ids
 
     try:
@@ -177,7 +183,7 @@ def check_model(model: str, layer_ids: list[int] | None) -> None:
             "give a local model directory or a Hugging Face id this machine can download",
         ) from exc
     try:
-        resolve_layer_ids(layer_ids, info.num_layers)
+        return info, resolve_layer_ids(layer_ids, info.num_layers)
     except ValueError as exc:
         raise StartupError("engine.layer_ids", str(exc), "pick ids in that range") from exc
 

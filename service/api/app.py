@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -19,13 +20,14 @@ from service.api.body_limit import BodyBudget, BodyLimitMiddleware
 from service.api.deps import caller_namespace
 from service.api.errors import install_error_handlers
 from service.api.extractor import ExtractorLike
-from service.api.metrics import ExtractMetrics, build_info
+from service.api.metrics import EngineCollector, ExtractMetrics, build_info
 from service.api.prompts import max_token_bytes
 from service.api.routes import PUBLIC_PATHS, extract, listing, meta, objects, openai
 from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
-from service.engine.builder import served_model_name
+from service.engine.builder import Prepared, served_model_name
+from service.storage import scheme_of
 from service.storage.local import root_from_url
 
 log = logging.getLogger(__name__)
@@ -39,29 +41,64 @@ shape, `{"error": {"type", "message", "field"?, "index"?}}`.
 """
 
 
+@dataclass(frozen=True)
+class _Edge:
+    """What an app has before its engine: keys, limits, metrics (the middleware's)."""
+
+    settings: Settings
+    keys: ApiKeys
+    registry: CollectorRegistry
+    metrics: ExtractMetrics
+    admission: Admission
+    body_budget: BodyBudget
+    engine_metrics: EngineCollector
+
+    @classmethod
+    def new(cls, settings: Settings, keys: ApiKeys) -> _Edge:
+        limits = settings.limits
+        registry = CollectorRegistry()
+        admission = Admission(limits.max_queued_prompts)
+        metrics = ExtractMetrics(registry, scheme_of(settings.storage.url))
+        metrics.bytes_limit.set(limits.max_bytes_in_flight)
+        metrics.prompts_in_flight.set_function(lambda: admission.queued)
+        engine_metrics = EngineCollector()
+        registry.register(engine_metrics)
+        budget = BodyBudget(limits.max_body_bytes_in_flight)
+        return cls(settings, keys, registry, metrics, admission, budget, engine_metrics)
+
+
 def create_app(
     settings: Settings,
     *,
     extractor: ExtractorLike | None = None,
+    prepared: Prepared | None = None,
     storage_factory: str | None = None,
     keys: ApiKeys | None = None,
 ) -> FastAPI:
-    """The app. Without ``extractor`` it starts (and at shutdown closes) its own.
+    """The app. Without ``extractor`` it starts (and at shutdown closes) its own, on
+    ``prepared`` (what ``hsx serve``'s start-up checks proved) when given.
 
     ``storage_factory`` is passed to the engine's writer (tests inject faults with it);
-    ``keys`` overrides the configured API keys.
+    ``keys`` overrides the configured API keys. The app's ``ApiState`` is built in the
+    lifespan, once the extractor has started, and published as ``app.state.hsx``.
     """
     if keys is None:
         keys = ApiKeys.load(settings.server.api_keys_file, _inline_keys(settings))
-    state = new_state(settings, keys)
+    edge = _Edge.new(settings, keys)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = extractor is None
         if not keys.enabled:
             log.warning("hsx: no API keys configured; every caller is namespace 'default'")
-        state.extractor = extractor or await _start_engine(settings, storage_factory)
-        await attach_engine(state)
+        started = extractor or await _start_engine(settings, prepared, storage_factory)
+        try:
+            state = await build_state(edge, started)
+        except BaseException:
+            if owned:
+                await started.close()
+            raise
+        app.state.hsx = state
         refresher = asyncio.create_task(refresh_memory(state), name="hsx-memory")
         try:
             yield
@@ -69,8 +106,7 @@ def create_app(
             state.draining = True
             refresher.cancel()
             await settle(state)
-            if state.tokenizer_pool is not None:
-                state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             if owned:
                 await state.extractor.close()  # drains the writer: every object lands
 
@@ -83,9 +119,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.state.hsx = state
     install_error_handlers(app)
-    install_middleware(app, state)
+    install_middleware(app, edge)
     app.include_router(meta.public)
     protected: dict[str, Any] = {
         "dependencies": [Depends(caller_namespace)],
@@ -99,29 +134,39 @@ def create_app(
     return app
 
 
-def install_middleware(app: FastAPI, state: ApiState) -> None:
+def mark_draining(app: FastAPI) -> None:
+    """What SIGTERM does first: ``/ready`` turns 503 and new work is refused. (Before
+    the lifespan has published the state there is nothing to refuse.)"""
+    state: ApiState | None = getattr(app.state, "hsx", None)
+    if state is not None:
+        state.draining = True
+
+
+def install_middleware(app: FastAPI, edge: _Edge) -> None:
     """Outermost first: access log, key check (before any read), body bounds."""
-    limits, server = state.settings.limits, state.settings.server
+    limits, server = edge.settings.limits, edge.settings.server
 
     def refused(path: str) -> None:
-        if state.metrics is not None and path == "/extract":
-            state.metrics.rejected("unauthorized")
+        if path == "/extract":
+            edge.metrics.rejected("unauthorized")
 
     # Starlette wraps in reverse order of adding: the last added runs first.
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=limits.max_body_bytes,
         timeout_s=server.body_timeout_s,
-        budget=state.body_budget,
+        budget=edge.body_budget,
     )
-    app.add_middleware(AuthMiddleware, keys=state.keys, public=PUBLIC_PATHS, on_refused=refused)
+    app.add_middleware(AuthMiddleware, keys=edge.keys, public=PUBLIC_PATHS, on_refused=refused)
     app.add_middleware(AccessMiddleware)
 
 
-async def _start_engine(settings: Settings, storage_factory: str | None) -> ExtractorLike:
+async def _start_engine(
+    settings: Settings, prepared: Prepared | None, storage_factory: str | None
+) -> ExtractorLike:
     from service.engine.extractor import Extractor
 
-    return await Extractor.start(settings, storage_factory=storage_factory)
+    return await Extractor.start(settings, prepared, storage_factory=storage_factory)
 
 
 async def settle(state: ApiState, limit_s: float = 10.0) -> None:
@@ -134,44 +179,40 @@ async def settle(state: ApiState, limit_s: float = 10.0) -> None:
         await asyncio.wait_for(state.admission.idle(), limit_s)
 
 
-def new_state(settings: Settings, keys: ApiKeys) -> ApiState:
-    """The app's state before the engine is attached: keys, limits, metrics."""
-    state = ApiState(
-        settings=settings,
-        keys=keys,
-        registry=CollectorRegistry(),
-        admission=Admission(settings.limits.max_queued_prompts),
-        body_budget=BodyBudget(settings.limits.max_body_bytes_in_flight),
-    )
-    state.metrics = ExtractMetrics(state.registry, state.backend)
-    state.metrics.bytes_limit.set(settings.limits.max_bytes_in_flight)
-    state.metrics.prompts_in_flight.set_function(lambda: state.admission.queued)
-    state.registry.register(state.engine_metrics)
-    return state
-
-
-async def attach_engine(state: ApiState) -> None:
-    """Wire a started extractor in: its metrics, the probe, tokenizer bounds, layout."""
-    extractor = state.extractor
+async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
+    """The app's whole state around a started extractor: its metrics registered, the
+    storage probe, the tokenizer pool and bounds, the model's name, the KV layout."""
+    settings = edge.settings
     # Storage and writer metrics belong to the extractor (fed by both processes).
-    state.registry.register(extractor.metrics)
-    state.storage = extractor.storage
-    local = state.backend == "file"
-    state.probe = StorageProbe(
+    edge.registry.register(extractor.metrics)
+    local = scheme_of(settings.storage.url) == "file"
+    probe = StorageProbe(
         extractor.storage,
-        root=root_from_url(state.settings.storage.url) if local else None,
-        min_free_bytes=state.settings.storage.local.min_free_bytes,
+        root=root_from_url(settings.storage.url) if local else None,
+        min_free_bytes=settings.storage.local.min_free_bytes,
     )
-    state.model_name = served_model_name(extractor.info.name)
-    build_info(state.registry, state.model_name)
-    state.tokenizer_pool = ThreadPoolExecutor(
-        state.settings.limits.tokenizer_threads, thread_name_prefix="hsx-tokenize"
-    )
-    state.max_token_bytes = max_token_bytes(extractor.tokenizer)
+    model_name = served_model_name(extractor.info.name)
+    build_info(edge.registry, model_name)
     try:
-        state.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]
+        edge.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]
     except Exception:  # a user-supplied worker extension replaces ours: no layout
         log.warning("hsx: KV-cache layout unavailable", exc_info=True)
+    pool = ThreadPoolExecutor(settings.limits.tokenizer_threads, thread_name_prefix="hsx-tokenize")
+    return ApiState(
+        settings=settings,
+        keys=edge.keys,
+        registry=edge.registry,
+        admission=edge.admission,
+        body_budget=edge.body_budget,
+        metrics=edge.metrics,
+        engine_metrics=edge.engine_metrics,
+        extractor=extractor,
+        probe=probe,
+        storage=extractor.storage,
+        tokenizer_pool=pool,
+        max_token_bytes=max_token_bytes(extractor.tokenizer),
+        model_name=model_name,
+    )
 
 
 async def refresh_memory(state: ApiState) -> None:

@@ -14,19 +14,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import ApiError
+from service.api.errors import ApiError, BodyError
 
-
-class BodyError(HTTPException):
-    """An HTTPException, so FastAPI re-raises it while parsing instead of making it a 400;
-    carries the ApiError the client sees."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(error.status, str(error))
-        self.error = error
+__all__ = ["BodyBudget", "BodyError", "BodyLimitMiddleware"]
 
 
 @dataclass

@@ -7,13 +7,13 @@ engine, so they all refuse alike: 422 naming the field and the allowed values.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from service.api.errors import ApiError
+from service.api.extractor import ExtractorLike
 
 
 def check_codec_params(
-    extractor: Any, codec: str | None, layers: Sequence[int] | None, *, prefix: str = ""
+    extractor: ExtractorLike, codec: str | None, layers: Sequence[int] | None, *, prefix: str = ""
 ) -> None:
     """ApiError 422 for a codec not offered or layers not served.
 

@@ -39,6 +39,19 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+class BodyError(StarletteHTTPException):
+    """An ApiError raised while a request body is read (``service.api.body_limit``).
+
+    An HTTPException, so FastAPI re-raises it while parsing instead of making it a 400;
+    it carries the ApiError the client sees. It lives here, beside its handler, so that
+    this module needs nothing from the middleware that raises it.
+    """
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.status, str(error))
+        self.error = error
+
+
 #: Error types that only say "this union branch does not apply": never the best error.
 _BRANCH_MISMATCH = {"string_type", "model_type", "dict_type", "model_attributes_type"}
 
@@ -105,8 +118,6 @@ def _unparsable_body(exc: BaseException) -> ApiError | None:
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    from service.api.body_limit import BodyError
-
     assert isinstance(exc, StarletteHTTPException)
     if isinstance(exc, BodyError):
         _count_rejection(request, exc.error.detail.type)

@@ -33,7 +33,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from service.api.schemas import ExtractRequest
+from service.api.job import ExtractOptions
+from service.api.loss import PromptSpans
 from service.api.state import ApiState
 from service.codecs import ObjectHeader, read_object
 from service.engine.errors import IdempotencyConflictError, InvalidPromptError, StorageWriteError
@@ -56,55 +57,57 @@ class Found(Extraction):
     found: Literal[True] = True
 
 
-def request_options(state: ApiState, body: ExtractRequest) -> dict[str, Any]:
-    """What ``body`` asks of an object besides its token ids and metadata, resolved the
+def request_options(state: ApiState, options: ExtractOptions) -> dict[str, Any]:
+    """What a request asks of an object besides its token ids and metadata, resolved the
     way the engine resolves it (the default codec, all served layers)."""
-    extractor = state.extractor
+    layers = state.extractor.layer_ids if options.layers is None else options.layers
     return {
-        "codec": str(extractor.check_codec(body.codec)),
-        "layers": list(extractor.layer_ids if body.layers is None else body.layers),
-        "loss": body.loss,
-        "include_output_tokens": body.include_output_tokens,
-        "max_tokens": body.max_tokens if body.include_output_tokens else None,
+        "codec": str(options.codec),
+        "layers": list(layers),
+        "loss": options.loss,
+        "include_output_tokens": options.include_output_tokens,
+        "max_tokens": options.max_tokens if options.include_output_tokens else None,
     }
 
 
 async def extract_once(
-    state: ApiState, body: ExtractRequest, custom_id: str, token_ids: list[int], **kwargs: Any
+    state: ApiState,
+    namespace: str,
+    options: ExtractOptions,
+    custom_id: str,
+    token_ids: list[int],
+    spans: PromptSpans,
 ) -> Extraction:
     """The prompt's object: found under its key, or made now (at most once).
 
-    ``kwargs`` are ``Extractor.extract``'s. Raises what it raises, and
-    IdempotencyConflictError when the stored object is not the one this request asks
-    for (or cannot be read).
+    Raises what ``Extractor.extract`` raises, and IdempotencyConflictError when the
+    stored object is not the one this request asks for (or cannot be read).
     """
     extractor = state.extractor
-    assert state.storage is not None
-    metadata: dict[str, str] = dict(kwargs.get("metadata") or {})
+    metadata = dict(options.metadata)
     if REQUEST_KEY in metadata:
         raise InvalidPromptError(
             f"metadata: {REQUEST_KEY!r} is set by the server on prompts with a custom_id"
         )
     key = idempotent_key(
         state.settings.storage.key_prefix,
-        kwargs["namespace"],
+        namespace,
         custom_id=custom_id,
         model=extractor.info.name,
         layer_ids=extractor.layer_ids,
         dtype=extractor.dtype,
     )
-    options = request_options(state, body)
-    check = _Check(state.storage, key, custom_id, token_ids, options, metadata)
-    recorded = json.dumps(options, sort_keys=True, separators=(",", ":"))
-    kwargs["metadata"] = {**metadata, REQUEST_KEY: recorded}
+    asked = request_options(state, options)
+    check = _Check(state.storage, key, custom_id, token_ids, asked, metadata)
+    recorded = json.dumps(asked, sort_keys=True, separators=(",", ":"))
+    params = options.params(key, spans, {**metadata, REQUEST_KEY: recorded})
 
     async def start() -> Extraction:
         found = await check.lookup()
         if found is not None:
             return found
         try:
-            made: Extraction = await extractor.extract(token_ids, key=key, **kwargs)
-            return made
+            return await extractor.extract(token_ids, params, max_tokens=options.max_tokens)
         except StorageWriteError:
             found = await check.lookup()  # another writer stored it first (create-only)
             if found is None:

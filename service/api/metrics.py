@@ -8,14 +8,15 @@ namespace or a request id as a label.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.engine.errors import FAILURES
+from service.engine.errors import FAILURES, ExtractionError
+from service.engine.wire import Extraction
 
 # A request spans milliseconds (one short prompt) to minutes (a full batch).
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -125,12 +126,14 @@ class ExtractMetrics:
         self.requests.labels("disconnected" if reason == "disconnect" else "timeout").inc()
         self.duration.observe(duration_s)
 
-    def record(self, outcome: str, outcomes: list[Any], duration_s: float) -> None:
+    def record(
+        self, outcome: str, outcomes: Sequence[Extraction | ExtractionError], duration_s: float
+    ) -> None:
         """One request that reached the engine: its outcome and every prompt's."""
         self.requests.labels(outcome).inc()
         self.duration.observe(duration_s)
         for item in outcomes:
-            if isinstance(item, BaseException):
+            if isinstance(item, ExtractionError):
                 self.prompts.labels("failed").inc()
                 continue
             if getattr(item, "found", False):  # stored before (custom_id): nothing written

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import unquote, urlparse
 
 from fastapi import Request, Response
@@ -34,6 +34,9 @@ from service.api.schemas import MAX_CUSTOM_ID, MetadataKey, MetadataValue
 from service.codecs import Codec
 from service.engine.objects import RESERVED_KEYS
 from service.masks import LossMode
+
+if TYPE_CHECKING:
+    from service.api.state import ApiState
 
 
 class OpenAIError(Exception):
@@ -294,7 +297,7 @@ def bounded(
     as sent, a 400 in this dialect naming the field. ``max_tokens``: the fields that say
     how many tokens are generated (``default`` when none is sent; 0: render only)."""
 
-    def check(raw: Any, state: Any) -> None:
+    def check(raw: Any, state: ApiState) -> None:
         if not isinstance(raw, dict):
             return  # validation refuses it
         try:
@@ -306,7 +309,7 @@ def bounded(
     return body_check(check)
 
 
-def check_openai_body(raw: dict[str, Any], state: Any, max_tokens: int) -> None:
+def check_openai_body(raw: dict[str, Any], state: ApiState, max_tokens: int) -> None:
     """Prompts (``max_prompts``), chat messages (``max_messages``), token ids to decode
     (``max_model_len``) and text that cannot fit, before any of it is validated,
     parsed as chat or rendered."""

@@ -32,7 +32,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from typing import Any, Generic, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +43,9 @@ from service.api.errors import ApiError
 from service.api.schemas import ExtractRequest, Message, PromptObject
 from service.config import LimitsSettings
 from service.masks import conversation_ids
+
+if TYPE_CHECKING:
+    from service.api.state import ApiState
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +158,7 @@ def _message_count(prompt: Any) -> int:
     return len(messages) if isinstance(messages, list) else 0
 
 
-def check_extract_body(raw: Any, state: Any) -> None:
+def check_extract_body(raw: Any, state: ApiState) -> None:
     """``/extract``'s bounds on the JSON as sent, before validation (``body_check``):
     prompts, max_tokens, messages and text; malformed parts are left to validation."""
     prompts = raw.get("prompts") if isinstance(raw, dict) else None
@@ -248,23 +251,55 @@ def tokenize_all(
 
     Checks ``stop`` before each prompt and raises TokenizingStopped once it is set.
     """
-    per_prompt = max_model_len - request.max_tokens
+    prompts = [
+        (_field(prompt, index), functools.partial(_token_ids, prompt, tokenizer, vocab_size, index))
+        for index, prompt in enumerate(request.prompts)
+    ]
+    return _within_limits(prompts, request.max_tokens, max_model_len, limits, stop)
+
+
+def check_token_ids(
+    token_ids: Sequence[list[int]],
+    max_tokens: int,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    limits: LimitsSettings,
+) -> list[list[int]]:
+    """Prompts given as token ids (the OpenAI routes' renders), checked as ``/extract``
+    checks ``token_ids`` prompts: the same limits, the same fields named."""
+    prompts = [
+        (f"prompts[{index}].token_ids", functools.partial(_checked_ids, ids, vocab_size, index))
+        for index, ids in enumerate(token_ids)
+    ]
+    return _within_limits(prompts, max_tokens, max_model_len, limits)
+
+
+def _within_limits(
+    prompts: Sequence[tuple[str, Callable[[], list[int]]]],
+    max_tokens: int,
+    max_model_len: int,
+    limits: LimitsSettings,
+    stop: threading.Event | None = None,
+) -> list[list[int]]:
+    """Each prompt's token ids (``(field, ids)`` pairs), within ``max_model_len`` less
+    ``max_tokens`` each and ``max_total_tokens`` in all."""
+    per_prompt = max_model_len - max_tokens
     if per_prompt < 1:
         raise _limit(
             "max_tokens",
-            f"{request.max_tokens} leaves no room for a prompt "
-            f"within max_model_len {max_model_len}",
+            f"{max_tokens} leaves no room for a prompt within max_model_len {max_model_len}",
         )
     result, total = [], 0
-    for index, prompt in enumerate(request.prompts):
+    for index, (field, token_ids) in enumerate(prompts):
         if stop is not None and stop.is_set():
             raise TokenizingStopped
-        ids = _token_ids(prompt, tokenizer, vocab_size, index)
+        ids = token_ids()
         if len(ids) > per_prompt:
             raise _limit(
-                _field(prompt, index),
+                field,
                 f"{len(ids)} tokens; at most {per_prompt} (max_model_len {max_model_len} "
-                f"minus max_tokens {request.max_tokens})",
+                f"minus max_tokens {max_tokens})",
                 index=index,
             )
         total += len(ids)
@@ -289,16 +324,25 @@ def _token_ids(
         ids = _render(tokenizer, prompt.messages, index)
     else:
         assert prompt.token_ids is not None
-        ids = list(prompt.token_ids)
-        bad = next((t for t in ids if vocab_size and t >= vocab_size), None)
-        if bad is not None:
-            raise ApiError(
-                422,
-                "invalid_request",
-                f"prompts[{index}].token_ids: {bad} is not below the vocabulary size {vocab_size}",
-                field=f"prompts[{index}].token_ids",
-                index=index,
-            )
+        return _checked_ids(prompt.token_ids, vocab_size, index)
+    return _not_empty(ids, index)
+
+
+def _checked_ids(token_ids: Sequence[int], vocab_size: int, index: int) -> list[int]:
+    ids = list(token_ids)
+    bad = next((t for t in ids if vocab_size and t >= vocab_size), None)
+    if bad is not None:
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"prompts[{index}].token_ids: {bad} is not below the vocabulary size {vocab_size}",
+            field=f"prompts[{index}].token_ids",
+            index=index,
+        )
+    return _not_empty(ids, index)
+
+
+def _not_empty(ids: list[int], index: int) -> list[int]:
     if not ids:
         raise ApiError(
             422,
@@ -372,14 +416,22 @@ def request_deadline(request: Request, timeout_s: float) -> float:
     return deadline
 
 
+async def client_disconnected(request: Request) -> None:
+    """Return once the client has disconnected.
+
+    The disconnect is seen as ASGI's ``http.disconnect`` message, as vLLM's own server
+    does it: ``request.is_disconnected()`` misses it behind middleware.
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def in_pool(
-    state: Any, call: Callable[[], T], deadline: float, stop: Callable[[], None] | None = None
+    state: ApiState, call: Callable[[], T], deadline: float, stop: Callable[[], None] | None = None
 ) -> T:
     """``call()`` on the bounded tokenizer pool; a 504 once ``deadline`` passes (``stop``
     is then called, and a call still queued never starts)."""
     pool = state.tokenizer_pool
-    if pool is None:  # no engine attached: nothing to keep apart from
-        return call()
     future: Future[tuple[bool, Any]] | None = pool.submit(_outcome, call)
     assert future is not None
     try:
@@ -463,13 +515,13 @@ async def _awaited(work: Awaitable[T]) -> T:
     return await work
 
 
-def release_memory_soon(state: Any) -> None:
+def release_memory_soon(state: ApiState) -> None:
     """Hand the heap a large request freed back to the system, shortly after its answer
     (glibc keeps freed chunks of every thread's arena resident otherwise: the server's
     RSS once stayed a gigabyte up after a large render)."""
     trim = _malloc_trim()
     pool = state.tokenizer_pool
-    if trim is None or pool is None:
+    if trim is None:
         return
 
     def submit() -> None:
@@ -488,7 +540,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-BodyCheck = Callable[[Any, Any], None]
+BodyCheck = Callable[[Any, "ApiState"], None]
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 
@@ -519,7 +571,7 @@ class BoundedBodyRoute(APIRoute):
         check: BodyCheck | None = getattr(self.endpoint, "hsx_body_check", None)
 
         async def route(request: Request) -> Response:
-            state = request.app.state.hsx
+            state: ApiState = request.app.state.hsx
             body = await request.body() if self._parses_json(request) else b""
             deadline = request_deadline(request, state.settings.limits.request_timeout_s)
             try:
@@ -549,7 +601,7 @@ class BoundedBodyRoute(APIRoute):
             subtype == "json" or subtype.endswith("+json")
         )
 
-    def _parse(self, body: bytes, check: BodyCheck | None, state: Any) -> Any:
+    def _parse(self, body: bytes, check: BodyCheck | None, state: ApiState) -> Any:
         try:
             raw = json.loads(body)
         except json.JSONDecodeError as exc:  # FastAPI's own answers to a bad body

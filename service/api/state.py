@@ -9,15 +9,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from service.api.auth import ApiKeys
 from service.api.body_limit import BodyBudget
+from service.api.extractor import ExtractorLike
 from service.api.metrics import EngineCollector, ExtractMetrics
 from service.api.singleflight import SingleFlight
 from service.config import Settings
+from service.engine.wire import Extraction
 from service.storage import Storage, scheme_of
 
 log = logging.getLogger(__name__)
@@ -99,28 +100,30 @@ class StorageProbe:
 
 @dataclass
 class ApiState:
-    """Everything a request handler needs; one per app, made in the lifespan."""
+    """Everything a request handler needs; one per app, built whole in the lifespan once
+    the extractor has started, then published (``app.state.hsx``)."""
 
     settings: Settings
     keys: ApiKeys
     registry: CollectorRegistry
     admission: Admission
     body_budget: BodyBudget
-    extractor: Any = None  # an Extractor (service.api.extractor.ExtractorLike) once started
-    draining: bool = False
-    probe: StorageProbe | None = None
-    metrics: ExtractMetrics | None = None
-    engine_metrics: EngineCollector = field(default_factory=EngineCollector)
+    metrics: ExtractMetrics
+    engine_metrics: EngineCollector
+    extractor: ExtractorLike
+    #: ``/ready``'s storage check.
+    probe: StorageProbe
     #: The extractor's storage, instrumented (reads and deletes).
-    storage: Storage | None = None
+    storage: Storage
     #: Runs the tokenizer off the event loop; bounded, so tokenising cannot take every core.
-    tokenizer_pool: ThreadPoolExecutor | None = None
+    tokenizer_pool: ThreadPoolExecutor
     #: UTF-8 bytes of the longest token: a text longer than tokens * this cannot fit.
-    max_token_bytes: int = 0
+    max_token_bytes: int
     #: The model's name as clients and metrics see it (never a server path).
-    model_name: str = ""
+    model_name: str
+    draining: bool = False
     #: Idempotent prompts in flight, by key: identical ones share one engine run.
-    flights: SingleFlight[Any] = field(default_factory=SingleFlight)
+    flights: SingleFlight[Extraction] = field(default_factory=SingleFlight)
 
     @property
     def backend(self) -> str:

@@ -74,7 +74,12 @@ def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
         help="hsx base URL" + (" (repeat to share the work)" if many else ""),
     )
     parser.add_argument("--api-key", default=None, help="API key (default: $HSX_API_KEY)")
-    parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint")
+    parser.add_argument(
+        "--s3-endpoint-url",
+        default=None,
+        help="S3-compatible endpoint of an s3:// output; the other S3 settings come from "
+        "HSX_STORAGE__S3__* as for the server's objects (e.g. ADDRESSING_STYLE=path)",
+    )
 
 
 def _run_parser(run: argparse.ArgumentParser) -> None:
@@ -163,12 +168,21 @@ def _field_error(error: Any) -> str:
     return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
-def _cmd_run(_settings: Any, args: argparse.Namespace) -> int:
+def _s3(settings: Any, args: argparse.Namespace) -> Any:
+    """The S3 settings of an output: ``HSX_STORAGE__S3__*`` (read into ``settings``, as
+    for the server's objects), with ``--s3-endpoint-url`` over its endpoint."""
+    s3 = settings.storage.s3
+    if args.s3_endpoint_url is not None:
+        s3 = s3.model_copy(update={"endpoint_url": args.s3_endpoint_url})
+    return s3
+
+
+def _cmd_run(settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
         from service.dataset.estimate import estimate_async
         from service.dataset.session import run_dataset_async
 
-        options = options_of(args)
+        options = options_of(args).model_copy(update={"s3": _s3(settings, args)})
         if args.estimate:
             print(asyncio.run(estimate_async(options)).text())
             return 0
@@ -179,21 +193,19 @@ def _cmd_run(_settings: Any, args: argparse.Namespace) -> int:
     return _guarded(work)
 
 
-def _cmd_verify(_settings: Any, args: argparse.Namespace) -> int:
+def _cmd_verify(settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
         from service.dataset.verify import verify_async
 
         key = args.api_key or os.environ.get("HSX_API_KEY")
-        report = asyncio.run(
-            verify_async(args.output, args.endpoint, key, s3_endpoint_url=args.s3_endpoint_url)
-        )
+        report = asyncio.run(verify_async(args.output, args.endpoint, key, s3=_s3(settings, args)))
         print(report.text())
         return 0 if report.ok else 1
 
     return _guarded(work)
 
 
-def _cmd_export(_settings: Any, args: argparse.Namespace) -> int:
+def _cmd_export(settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
         from service.dataset.export import export_speculators_async
 
@@ -204,7 +216,7 @@ def _cmd_export(_settings: Any, args: argparse.Namespace) -> int:
                 args.dest,
                 args.endpoint,
                 key,
-                s3_endpoint_url=args.s3_endpoint_url,
+                s3=_s3(settings, args),
                 allow_partial=args.allow_partial,
             )
         )

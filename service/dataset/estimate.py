@@ -14,10 +14,12 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
-from service.dataset.endpoints import auth_headers, probe_all, tokenize_count
+from service.client import AsyncHsxClient, HsxError
+from service.dataset.endpoints import probe_all
 from service.dataset.inputs import iter_rows, open_source, shard_of
 from service.dataset.options import RunOptions
 
@@ -59,21 +61,22 @@ async def estimate_async(options: RunOptions, sample: int = 64, seed: int = 0) -
         and (options.shard is None or shard_of(r.custom_id, options.shard[1]) == options.shard[0])
     ]
     picked = random.Random(seed).sample(rows, min(sample, len(rows)))
-    async with httpx.AsyncClient(headers=auth_headers(options.api_key), timeout=60) as client:
-        info, _, _ = await probe_all(client, options.endpoint_urls())
-        counts = []
-        for row in picked:
-            assert row.prompt is not None
-            count = await tokenize_count(client, info.url, info.model, row.prompt)
-            if count is None:
-                raise EstimateError(f"{info.url} has no POST /tokenize; cannot estimate")
-            counts.append(count + (options.max_tokens - 1 if options.include_output_tokens else 0))
-        rate = await _tokens_per_s(client, info.url)
+    clients = [AsyncHsxClient(url, options.api_key, timeout=60) for url in options.endpoint_urls()]
+    try:
+        info, _, _ = await probe_all(clients)
+        client = next(c for c in clients if c.base_url == info.url)
+        extra = options.max_tokens - 1 if options.include_output_tokens else 0
+        counts = [await _count(client, info.card.id, row.prompt) + extra for row in picked]
+        rate = await _tokens_per_s(client)
+    finally:
+        for one in clients:
+            await one.aclose()
+    card = info.card
     mean = sum(counts) / len(counts) if counts else 0.0
     tokens = int(mean * len(rows))
-    layers = len(options.layers or info.layer_ids)
-    width = CODEC_BYTES.get(options.codec or "", DTYPE_BYTES.get(info.dtype, 4))
-    per_token = layers * info.hidden_size * width + 8 + (1 if options.loss != "none" else 0)
+    layers = len(options.layers or card.layer_ids)
+    width = CODEC_BYTES.get(options.codec or "", DTYPE_BYTES.get(card.dtype, 4))
+    per_token = layers * card.hidden_size * width + 8 + (1 if options.loss != "none" else 0)
     return Estimate(
         rows=len(rows),
         sampled=len(counts),
@@ -84,10 +87,26 @@ async def estimate_async(options: RunOptions, sample: int = 64, seed: int = 0) -
     )
 
 
-async def _tokens_per_s(client: httpx.AsyncClient, url: str) -> float | None:
+async def _count(client: AsyncHsxClient, model: str, prompt: dict[str, Any] | None) -> int:
+    """Tokens of a prompt: its ids, or ``POST /tokenize`` (:class:`EstimateError` if the
+    server has none)."""
+    assert prompt is not None
+    if "token_ids" in prompt:
+        return len(prompt["token_ids"])
     try:
-        text = (await client.get(f"{url}/metrics")).text
-    except httpx.HTTPError:
+        return (await client.tokenize(model, prompt)).count
+    except HsxError as exc:
+        if exc.status in (404, 405):
+            raise EstimateError(
+                f"{client.base_url} has no POST /tokenize; cannot estimate"
+            ) from None
+        raise
+
+
+async def _tokens_per_s(client: AsyncHsxClient) -> float | None:
+    try:
+        text = await client.metrics()
+    except (httpx.HTTPError, HsxError):
         return None
     tokens = _metric(text, "hsx_extract_tokens_total")
     busy = _metric(text, "hsx_extract_duration_seconds_sum")

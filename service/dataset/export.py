@@ -6,7 +6,7 @@ directory (``save_to_disk``, torch format) with ``input_ids``, ``loss_mask`` and
 ``seq_len`` per sample, ``hidden_states/hs_{i}.safetensors`` for sample ``i``, and
 ``token_freq.pt`` (counts of the supervised token ids). ``speculators train --data-path
 DIR`` and its ``ArrowDataset`` read it unchanged. Samples are the manifest's ``ok`` rows
-in input order; each object is copied through the server (decoded to plain
+in input order; each object is read through the server (decoded here to plain
 ``hidden_states`` when the run used another codec), and its token ids and mask come
 from the object itself, so ids, mask and states cannot disagree.
 """
@@ -19,11 +19,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from service.dataset.endpoints import auth_headers
-from service.dataset.manifest import load_records
-from service.dataset.store import write_problem
+from service.client import AsyncHsxClient
+from service.config import S3StorageSettings
+from service.dataset.manifest import Record, load_records
+from service.dataset.store import RunStore, write_problem
 from service.dataset.verify import run_stores
 
 
@@ -37,7 +36,7 @@ async def export_speculators_async(
     endpoint: str,
     api_key: str | None = None,
     concurrency: int = 8,
-    s3_endpoint_url: str | None = None,
+    s3: S3StorageSettings | None = None,
     allow_partial: bool = False,
 ) -> int:
     """Write the speculators layout of ``output`` into ``dest``; returns the sample count.
@@ -52,17 +51,11 @@ async def export_speculators_async(
         raise ExportError(f"export target {dest}: {problem}; export into a new directory")
     if dest.exists() and any(dest.iterdir()):
         raise ExportError(f"export target {dest}: not empty; export into a new directory")
-    samples = []
-    input_rows, final = 0, 0
-    for store, job in run_stores(output, s3_endpoint_url):
-        if job.fingerprint.loss == "none":
-            raise ExportError(
-                f"{store.url}: the run stored no loss masks; run it with --loss for speculators"
-            )
-        records = await asyncio.to_thread(load_records, store)
-        samples += [(job.fingerprint.codec, r) for r in records.values() if r.status == "ok"]
-        input_rows = max(input_rows, job.input_rows)  # each shard's job counts the whole input
-        final += sum(1 for r in records.values() if r.final)
+    root = RunStore(output, s3)
+    try:
+        samples, input_rows, final = await _samples(root)
+    finally:
+        await root.close()
     undecided = max(0, input_rows - final)
     if undecided:
         what = (
@@ -87,19 +80,14 @@ async def export_speculators_async(
     except OSError as exc:
         raise ExportError(f"export target {dest}: {exc.strerror or exc}") from None
     columns: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    async with httpx.AsyncClient(
-        headers=auth_headers(api_key), timeout=120, follow_redirects=True
-    ) as client:
+    async with AsyncHsxClient(endpoint, api_key, timeout=120) as client:
         limit = asyncio.Semaphore(concurrency)
 
         async def fetch(index: int, codec: str, key: str) -> tuple[list[int], list[int]]:
             async with limit:
-                params = {"decode": "true"} if codec != "raw" else None
-                url = f"{endpoint.rstrip('/')}/objects/{key}"
-                response = await client.get(url, params=params)
-                response.raise_for_status()
+                data = await client.get_object(key, decode=codec != "raw")
             target = dest / "hidden_states" / f"hs_{index}.safetensors"
-            return await asyncio.to_thread(_write_sample, response.content, target)
+            return await asyncio.to_thread(_write_sample, data, target)
 
         results = await asyncio.gather(
             *(fetch(i, codec, r.key or "") for i, (codec, r) in enumerate(samples))
@@ -113,6 +101,23 @@ async def export_speculators_async(
     await asyncio.to_thread(dataset.save_to_disk, str(dest))
     await asyncio.to_thread(_token_freq, columns, dest / "token_freq.pt")
     return len(samples)
+
+
+async def _samples(root: RunStore) -> tuple[list[tuple[str, Record]], int, int]:
+    """The ok rows of every run directory (with their codec), the input's row count
+    and how many rows are decided for good."""
+    samples: list[tuple[str, Record]] = []
+    input_rows, final = 0, 0
+    for store, job in await run_stores(root):
+        if job.fingerprint.loss == "none":
+            raise ExportError(
+                f"{store.url}: the run stored no loss masks; run it with --loss for speculators"
+            )
+        records = await load_records(store)
+        samples += [(job.fingerprint.codec, r) for r in records.values() if r.status == "ok"]
+        input_rows = max(input_rows, job.input_rows)  # each shard's job counts the whole input
+        final += sum(1 for r in records.values() if r.final)
+    return samples, input_rows, final
 
 
 def _write_sample(data: bytes, target: Path) -> tuple[list[int], list[int]]:

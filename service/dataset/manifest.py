@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.dataset.store import StateStore
+from service.dataset.store import RunStore
 
 Status = Literal["ok", "skipped", "failed"]
 JOB = "job.json"
@@ -81,15 +81,15 @@ class Record(BaseModel):
         return self.status != "failed" or not self.retryable
 
 
-def load_job(store: StateStore) -> Job | None:
+async def load_job(store: RunStore) -> Job | None:
     """The output's ``job.json``, or None for a new output."""
-    data = store.read(JOB)
+    data = await store.read(JOB)
     return Job.model_validate_json(data) if data is not None else None
 
 
-def check_fingerprint(store: StateStore, wanted: Fingerprint, force: bool) -> None:
+async def check_fingerprint(store: RunStore, wanted: Fingerprint, force: bool) -> None:
     """Refuse an output whose run had another fingerprint (unless ``force``)."""
-    job = load_job(store)
+    job = await load_job(store)
     if job is None or job.fingerprint == wanted or force:
         return
     old, new = job.fingerprint.model_dump(), wanted.model_dump()
@@ -100,10 +100,10 @@ def check_fingerprint(store: StateStore, wanted: Fingerprint, force: bool) -> No
     )
 
 
-def load_records(store: StateStore) -> dict[int, Record]:
+async def load_records(store: RunStore) -> dict[int, Record]:
     """The last manifest line of every row."""
     records: dict[int, Record] = {}
-    for line in store.lines(MANIFEST):
+    for line in await store.lines(MANIFEST):
         record = Record.model_validate_json(line)
         records[record.row] = record
     return records
@@ -173,7 +173,3 @@ def summarise(
 
 def dumps(model: BaseModel) -> bytes:
     return (model.model_dump_json(indent=2) + "\n").encode()
-
-
-def as_dict(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json")

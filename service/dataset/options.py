@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossMode = Literal["none", "assistant", "last_turn", "all"]
+from service.config import S3StorageSettings
+from service.masks import LossMode
+
+if TYPE_CHECKING:  # httpx loads with the run, not with the options
+    from service.client import ExtractOptions
 
 
 class RunOptions(BaseModel):
@@ -39,7 +43,14 @@ class RunOptions(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     force: bool = False
     progress: bool = True
-    s3_endpoint_url: str | None = None
+    s3_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint of an s3:// output (over s3.endpoint_url)."
+    )
+    s3: S3StorageSettings = Field(
+        default_factory=S3StorageSettings,
+        description="S3 settings of an s3:// output, as the server's objects take them "
+        "(the CLI reads HSX_STORAGE__S3__*): region, addressing style, retries, checksums.",
+    )
     backoff_base_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(30.0, gt=0)
 
@@ -53,6 +64,25 @@ class RunOptions(BaseModel):
 
     def endpoint_urls(self) -> list[str]:
         return [url.rstrip("/") for url in self.endpoints]
+
+    def s3_settings(self) -> S3StorageSettings:
+        """``s3`` with ``s3_endpoint_url`` in it when given."""
+        if self.s3_endpoint_url is None:
+            return self.s3
+        return self.s3.model_copy(update={"endpoint_url": self.s3_endpoint_url})
+
+    def extract_options(self) -> ExtractOptions:
+        """Every request's fields besides its prompts."""
+        from service.client import ExtractOptions
+
+        return ExtractOptions(
+            max_tokens=self.max_tokens,
+            include_output_tokens=self.include_output_tokens,
+            metadata=self.metadata,
+            loss=self.loss,
+            codec=self.codec,
+            layers=self.layers,
+        )
 
     def shard_name(self) -> str | None:
         """The shard's directory under the output (``shard-00001-of-00004``)."""

@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import itertools
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from service.client import AsyncHsxClient, BadResponseError, HsxError, encode_extract
+from service.client.models import ExtractResponse, StoredObject
 from service.dataset.inputs import Row, Source, iter_rows, shard_of
 from service.dataset.manifest import (
     JOB,
@@ -48,24 +49,12 @@ from service.dataset.manifest import (
 from service.dataset.options import RunOptions
 from service.dataset.progress import Counters, Display
 from service.dataset.recorder import Recorder, count_record
-from service.dataset.replies import detail_of, error_of, outcome_of, retry_after
-from service.dataset.store import OutputError, StateStore
+from service.dataset.replies import error_text, refusal_of
+from service.dataset.store import OutputError, RunStore
 
 TRANSIENT = {500, 502, 503, 504}
 #: Rows read ahead of the workers.
 QUEUE_ROWS = 2048
-#: Fields of each ``objects[]`` entry of an ``/extract`` answer, and their types.
-OBJECT_FIELDS: dict[str, type] = {
-    "index": int,
-    "key": str,
-    "num_tokens": int,
-    "bytes": int,
-    "sha256": str,
-}
-
-
-class BadResponse(Exception):
-    """A 200 whose body is not the ``/extract`` answer of hsx (a proxy's page, say)."""
 
 
 @dataclass(eq=False)
@@ -80,9 +69,13 @@ class Item:
 
 @dataclass
 class Endpoint:
-    url: str
+    client: AsyncHsxClient
     errors_in_a_row: int = 0
     dropped: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.client.base_url
 
 
 def counters_from(records: dict[int, Record], expected: int) -> Counters:
@@ -112,14 +105,16 @@ class Run:
         self,
         options: RunOptions,
         source: Source,
-        store: StateStore,
+        store: RunStore,
         fingerprint: Fingerprint,
-        client: httpx.AsyncClient,
-        urls: list[str],
+        clients: list[AsyncHsxClient],
     ) -> None:
         self.options, self.source, self.store = options, source, store
-        self.fingerprint, self.client = fingerprint, client
-        self.endpoints = [Endpoint(url) for url in urls]
+        self.fingerprint = fingerprint
+        self.endpoints = [Endpoint(client) for client in clients]
+        self.extract_options = options.extract_options()
+        where = options.input  # absolute, so verify finds it from anywhere
+        self.input_url = where if where.startswith("s3://") else str(Path(where).resolve())
         self.max_length = fingerprint.max_length
         # Unbounded, so a worker putting work back never waits; the feeder keeps it short.
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
@@ -139,12 +134,12 @@ class Run:
         cannot be written), or when the summary itself cannot be written.
         """
         self.started = time.monotonic()
-        records = await asyncio.to_thread(load_records, self.store)
+        records = await load_records(self.store)
         total = await asyncio.to_thread(self.source.count)
         shards = self.options.shard[1] if self.options.shard else 1
         counters = counters_from(records, expected=-(-total // shards))
         self.total = total
-        await asyncio.to_thread(self.write_job, total)
+        await self.write_job(total)
         self.recorder = Recorder(self.store, records, counters)
         self.display = Display(counters, self.options.progress)
         workers = [
@@ -165,20 +160,18 @@ class Run:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             try:
-                await asyncio.to_thread(self.recorder.flush)
+                await self.recorder.flush()
             except Exception as exc:
                 self.stop(f"cannot write the manifest to {self.store.url}: {describe(exc)}")
             self.display.close()
         return await self.finish(records)
 
-    def write_job(self, total: int) -> None:
+    async def write_job(self, total: int) -> None:
         """``job.json`` for a new output (or a forced one): the run's first write."""
-        if self.store.read(JOB) is None or self.options.force:
-            where = self.options.input  # absolute, so verify finds it from anywhere
-            where = where if where.startswith("s3://") else str(Path(where).resolve())
-            job = Job(fingerprint=self.fingerprint, input=where, input_rows=total)
+        if await self.store.read(JOB) is None or self.options.force:
+            job = Job(fingerprint=self.fingerprint, input=self.input_url, input_rows=total)
             try:
-                self.store.write(JOB, dumps(job))
+                await self.store.write(JOB, dumps(job))
             except Exception as exc:  # nothing is written yet: a bad --output
                 raise OutputError(
                     f"--output {self.options.output}: cannot write {JOB}: {describe(exc)}"
@@ -193,7 +186,7 @@ class Run:
                     self.shard_rows = self.total
         elapsed = time.monotonic() - self.started
         summary = summarise(records, self.shard_rows, self.stopped, elapsed)
-        await asyncio.to_thread(self.store.write, SUMMARY, dumps(summary))
+        await self.store.write(SUMMARY, dumps(summary))
         return summary
 
     def in_shard(self, row: Row) -> bool:
@@ -212,11 +205,11 @@ class Run:
         seen: dict[str, int] = {}
         rows = iter_rows(self.source, self.options.id_column)
         while self.stopped is None:
-            row = await asyncio.to_thread(_next_batch, rows, 256)
-            if not row:
+            batch = await asyncio.to_thread(lambda: list(itertools.islice(rows, 256)))
+            if not batch:
                 break
-            for one in row:
-                await self.feed_one(one, records, seen)
+            for row in batch:
+                await self.feed_one(row, records, seen)
         self.fed = True
         self.check_settled()
         self.check_accounting()  # the workers may have finished before the last row was read
@@ -324,7 +317,7 @@ class Run:
             finally:
                 self.busy -= 1
             try:
-                await asyncio.to_thread(self.recorder.flush, False)
+                await self.recorder.flush(False)
             except Exception as exc:
                 self.stop(f"cannot write the manifest to {self.store.url}: {describe(exc)}")
                 return
@@ -350,48 +343,46 @@ class Run:
         if not batch:
             return 0.0
         try:
-            response = await self.client.post(
-                f"{endpoint.url}/extract",
-                content=content,
-                headers={"Content-Type": "application/json"},
-            )
+            answer = await endpoint.client.extract_encoded(content, len(batch))
         except httpx.HTTPError as exc:
             return await self.transient(endpoint, batch, f"{type(exc).__name__}: {exc}", None)
-        if response.status_code == 200:
-            try:
-                objects = objects_of(response, len(batch))
-            except BadResponse as exc:  # a proxy's page, a truncated body: like a 5xx
-                self.warn_once(f"warning: {endpoint.url}: bad_response: {exc}; retried as a 5xx")
-                return await self.transient(endpoint, batch, f"bad_response: {exc}", None)
-            endpoint.errors_in_a_row = 0
-            await self.accepted(endpoint, batch, objects)
-            return 0.0
-        error = error_of(response)
-        if response.status_code == 429:
+        except BadResponseError as exc:  # a proxy's page, a truncated body: like a 5xx
+            reason = f"bad_response: {exc.message}"
+            self.warn_once(f"warning: {endpoint.url}: {reason}; retried as a 5xx")
+            return await self.transient(endpoint, batch, reason, None)
+        except HsxError as exc:
+            return await self.failed(endpoint, batch, exc)
+        endpoint.errors_in_a_row = 0
+        await self.accepted(endpoint, batch, objects_of(answer))
+        return 0.0
+
+    async def failed(self, endpoint: Endpoint, batch: list[Item], error: HsxError) -> float:
+        """An error answer: back off (429, 5xx), stop (401, 403, 404) or refuse."""
+        if error.status == 429:
             await self.requeue(batch)
-            return retry_after(response) or self.options.backoff_base_s
-        if response.status_code in TRANSIENT:
-            return await self.transient(endpoint, batch, error, retry_after(response))
-        if response.status_code in (401, 403, 404):
+            return error.retry_after or self.options.backoff_base_s
+        if error.status in TRANSIENT:
+            return await self.transient(endpoint, batch, error_text(error), error.retry_after)
+        if error.status in (401, 403, 404):
             for item in batch:  # pending: the next run sends them again
                 item.holder = None
-            self.stop(f"{endpoint.url} answered {response.status_code}: {error}")
+            self.stop(f"{endpoint.url} answered {error.status}: {error_text(error)}")
             return 0.0
         endpoint.errors_in_a_row = 0
-        await self.refused(endpoint, batch, response)
+        await self.refused(endpoint, batch, error)
         return 0.0
 
     def encode(self, batch: list[Item]) -> tuple[list[Item], bytes]:
         """The request body as bytes; a row that cannot be encoded fails alone
         (``invalid_row``), the rest of its batch goes on."""
         try:
-            return batch, _json_bytes(self.body(batch))
+            return batch, self.body(batch)
         except (ValueError, TypeError):  # UnicodeEncodeError is a ValueError
             pass
         kept = []
         for item in batch:
             try:
-                _json_bytes(self.body([item]))
+                self.body([item])
             except (ValueError, TypeError) as exc:
                 self.settle(
                     item,
@@ -401,26 +392,15 @@ class Run:
                 )
             else:
                 kept.append(item)
-        return kept, (_json_bytes(self.body(kept)) if kept else b"")
+        return kept, (self.body(kept) if kept else b"")
 
-    def body(self, batch: list[Item]) -> dict[str, Any]:
-        options = self.options
-        body: dict[str, Any] = {
-            "prompts": [{**i.row.prompt, "custom_id": i.row.custom_id} for i in batch],  # type: ignore[dict-item]
-            "max_tokens": options.max_tokens,
-            "include_output_tokens": options.include_output_tokens,
-            "loss": options.loss,
-        }
-        if options.metadata:
-            body["metadata"] = options.metadata
-        if options.codec is not None:  # only when asked: servers without codecs still work
-            body["codec"] = options.codec
-        if options.layers is not None:
-            body["layers"] = options.layers
-        return body
+    def body(self, batch: list[Item]) -> bytes:
+        """The ``/extract`` body of a batch, each prompt with its row's ``custom_id``."""
+        prompts = [{**i.row.prompt, "custom_id": i.row.custom_id} for i in batch]  # type: ignore[dict-item]
+        return encode_extract(prompts, self.extract_options)
 
     async def accepted(
-        self, endpoint: Endpoint, batch: list[Item], objects: dict[int, dict[str, Any]]
+        self, endpoint: Endpoint, batch: list[Item], objects: dict[int, StoredObject]
     ) -> None:
         for position, item in enumerate(batch):
             obj = objects.get(position)
@@ -431,13 +411,14 @@ class Run:
                 continue
             await self.record_object(endpoint, item, obj)
 
-    async def record_object(self, endpoint: Endpoint, item: Item, obj: dict[str, Any]) -> None:
-        tokens = obj["num_tokens"]
-        if not self.options.include_output_tokens and tokens > self.max_length:
+    async def record_object(self, endpoint: Endpoint, item: Item, obj: StoredObject) -> None:
+        if not self.options.include_output_tokens and obj.num_tokens > self.max_length:
             # Only the server counts text and message tokens: drop what is over the limit.
-            with contextlib.suppress(httpx.HTTPError):  # else orphaned; skipped all the same
-                await self.client.delete(f"{endpoint.url}/objects/{obj['key']}")
-            self.settle(item, "skipped", f"too_long: {tokens} > {self.max_length}")
+            with contextlib.suppress(
+                httpx.HTTPError, HsxError
+            ):  # else orphaned; skipped all the same
+                await endpoint.client.delete(obj.key)
+            self.settle(item, "skipped", f"too_long: {obj.num_tokens} > {self.max_length}")
             return
         if item.done:
             return
@@ -446,27 +427,24 @@ class Run:
                 row=item.row.index,
                 custom_id=item.row.custom_id,
                 status="ok",
-                key=obj["key"],
-                num_tokens=tokens,
-                num_loss_tokens=obj.get("num_loss_tokens"),
-                bytes=obj["bytes"],
-                sha256=obj["sha256"],
-                found=obj.get("status") == "found",
+                key=obj.key,
+                num_tokens=obj.num_tokens,
+                num_loss_tokens=obj.num_loss_tokens,
+                bytes=obj.bytes,
+                sha256=obj.sha256,
+                found=obj.status == "found",
             )
         )
         self.record_done(item)
 
-    async def refused(
-        self, endpoint: Endpoint, batch: list[Item], response: httpx.Response
-    ) -> None:
+    async def refused(self, endpoint: Endpoint, batch: list[Item], error: HsxError) -> None:
         """A 4xx for the request: the prompt it names fails, the others go again."""
-        detail = detail_of(response)
-        index = detail.get("index")
-        if isinstance(index, int) and 0 <= index < len(batch):
-            self.settle(batch[index], *outcome_of(response.status_code, detail))
+        index = error.index
+        if index is not None and 0 <= index < len(batch):
+            self.settle(batch[index], *refusal_of(error))
             await self.requeue([item for i, item in enumerate(batch) if i != index])
         elif len(batch) == 1:
-            self.settle(batch[0], *outcome_of(response.status_code, detail))
+            self.settle(batch[0], *refusal_of(error))
         else:  # no prompt named: send each alone to find the culprit
             for item in batch:
                 await self.send(endpoint, [item])
@@ -516,52 +494,13 @@ class Run:
                 self.queue.put_nowait(item)
 
 
-def objects_of(response: httpx.Response, count: int) -> dict[int, dict[str, Any]]:
-    """The ``objects`` of an ``/extract`` answer by prompt index; :class:`BadResponse`
-    when the body is not that answer (checked whole, before any row is decided)."""
-    kind = response.headers.get("content-type", "no content type")
-    try:
-        body = response.json()
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-        sample = response.text[:80] if response.content else ""
-        raise BadResponse(f"200 with a body that is not JSON ({kind}): {sample!r}") from None
-    objects = body.get("objects") if isinstance(body, dict) else None
-    if not isinstance(objects, list):
-        raise BadResponse(f"200 without an objects list ({kind}): {json.dumps(body)[:80]}")
-    out: dict[int, dict[str, Any]] = {}
-    for number, obj in enumerate(objects):
-        if not isinstance(obj, dict):
-            raise BadResponse(f"objects[{number}] is not an object")
-        for name, kinds in OBJECT_FIELDS.items():
-            value = obj.get(name)
-            if not isinstance(value, kinds) or isinstance(value, bool):
-                raise BadResponse(f"objects[{number}].{name} is missing or not {kinds.__name__}")
-        loss = obj.get("num_loss_tokens")
-        if loss is not None and (not isinstance(loss, int) or isinstance(loss, bool)):
-            raise BadResponse(f"objects[{number}].num_loss_tokens is not int")
-        if not 0 <= obj["index"] < count:
-            raise BadResponse(f"objects[{number}].index {obj['index']} is not a prompt's")
-        out[obj["index"]] = obj
-    if count and not out:
-        raise BadResponse(f"200 without any of the {count} prompts' objects")
-    return out
+def objects_of(answer: ExtractResponse) -> dict[int, StoredObject]:
+    """The objects of an ``/extract`` answer by prompt index (the client has checked
+    that each index is one of the batch's prompts)."""
+    return {obj.index: obj for obj in answer.objects}
 
 
 def describe(exc: BaseException) -> str:
     """``Type: message``, on one line."""
     text = " ".join(str(exc).split())
     return printable(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
-
-
-def _json_bytes(body: Any) -> bytes:
-    """The body as httpx's ``json=`` would send it (UTF-8, no NaN)."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _next_batch(rows: Any, size: int) -> list[Row]:
-    out = []
-    for row in rows:
-        out.append(row)
-        if len(out) >= size:
-            break
-    return out

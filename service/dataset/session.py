@@ -5,16 +5,18 @@ Everything that can refuse a run happens here, before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import httpx
 
-from service.dataset.endpoints import ServerInfo, auth_headers, probe_all
+from service.client import AsyncHsxClient
+from service.dataset.endpoints import ServerInfo, probe_all
 from service.dataset.inputs import open_source
 from service.dataset.manifest import Fingerprint, Summary, check_fingerprint
 from service.dataset.options import RunOptions
 from service.dataset.runner import Run
-from service.dataset.store import LocalStore, OutputError, open_store, write_problem
+from service.dataset.store import OutputError, RunStore, local_dir, write_problem
 
 
 class RunError(Exception):
@@ -28,17 +30,27 @@ async def run_dataset_async(options: RunOptions) -> Summary:
     OutputError before anything is written.
     """
     source = open_source(options.input, options.id_column)
-    root = open_store(options.output, options.s3_endpoint_url)
-    if isinstance(root, LocalStore):  # before any request: a file in the way, no permission
-        problem = write_problem(root.root)
+    directory = local_dir(options.output)
+    if directory is not None:  # before any request: a file in the way, no permission
+        problem = write_problem(directory)
         if problem is not None:
             raise OutputError(f"--output {options.output}: {problem}")
+    root = RunStore(options.output, options.s3_settings())
     timeout = httpx.Timeout(options.request_timeout, connect=10.0)
-    limits = httpx.Limits(max_connections=options.concurrency * len(options.endpoints) + 4)
-    async with httpx.AsyncClient(
-        headers=auth_headers(options.api_key), timeout=timeout, limits=limits
-    ) as client:
-        info, infos, warnings = await probe_all(client, options.endpoint_urls())
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(root.close)
+        clients = [
+            await stack.enter_async_context(
+                AsyncHsxClient(
+                    url,
+                    options.api_key,
+                    timeout=timeout,
+                    max_connections=options.concurrency + 4,
+                )
+            )
+            for url in options.endpoint_urls()
+        ]
+        info, infos, warnings = await probe_all(clients)
         for warning in warnings:
             print(
                 f"hsx dataset: warning: {warning}; continuing without it",
@@ -48,29 +60,31 @@ async def run_dataset_async(options: RunOptions) -> Summary:
         fingerprint = make_fingerprint(options, info)
         name = options.shard_name()
         store = root.child(name) if name else root
-        check_fingerprint(store, fingerprint, options.force)
-        run = Run(options, source, store, fingerprint, client, [i.url for i in infos])
-        return await run.run()
+        await check_fingerprint(store, fingerprint, options.force)
+        answering = {i.url for i in infos}
+        live = [c for c in clients if c.base_url in answering]
+        return await Run(options, source, store, fingerprint, live).run()
 
 
 def make_fingerprint(options: RunOptions, info: ServerInfo) -> Fingerprint:
     """The run's fingerprint from its options and what the server serves."""
-    limit = info.max_model_len - options.max_tokens
+    card = info.card
+    limit = card.max_model_len - options.max_tokens
     if options.max_length is not None and options.max_length > limit:
         raise RunError(
             f"--max-length {options.max_length} is over the server's limit {limit} "
-            f"(max_model_len {info.max_model_len} - max_tokens {options.max_tokens})"
+            f"(max_model_len {card.max_model_len} - max_tokens {options.max_tokens})"
         )
-    if options.codec is not None and options.codec not in info.extra.get("codecs", ["raw"]):
+    if options.codec is not None and options.codec not in card.codecs:
         raise RunError(f"{info.url} does not offer codec {options.codec!r}")
     return Fingerprint(
-        model=info.model,
-        layer_ids=options.layers or info.layer_ids,
-        hidden_size=info.hidden_size,
-        dtype=info.dtype,
-        codec=options.codec or info.default_codec,
-        tokenizer_sha256=info.tokenizer_sha256,
-        chat_template_sha256=info.chat_template_sha256,
+        model=card.id,
+        layer_ids=options.layers or card.layer_ids,
+        hidden_size=card.hidden_size,
+        dtype=card.dtype,
+        codec=options.codec or card.default_codec,
+        tokenizer_sha256=card.tokenizer_sha256,
+        chat_template_sha256=card.chat_template_sha256,
         loss=options.loss,
         max_length=options.max_length or limit,
         on_long=options.on_long,

@@ -1,18 +1,31 @@
-"""Where a run keeps its state: a local directory or an S3 prefix.
+"""Where a run keeps its state: a local directory or an S3 prefix, on ``service.storage``.
 
-Two operations matter: whole documents (``job.json``, ``summary.json``), written
-atomically, and append-only logs (the manifest, ``errors.jsonl``). On local disk a log
-is one file, appended and fsynced; a line torn by a kill is cut off before the next
-append. S3 has no append, so each flush of a log is a new object under
-``<name>/<session>-<seq>.jsonl``; reading a log concatenates them in key order.
+Documents (``job.json``, ``summary.json``) are objects of the output's storage, the
+backend the server uses for its objects, with every one of its settings (S3 endpoint,
+region, addressing style, retries, checksums; local files fsynced with their
+directory). Logs (the manifest, ``errors.jsonl``) are append-only:
+
+* on S3, which has no append, each flush of a log is a new object
+  ``<log>/<time_ns>-<session>-<seq>.jsonl``, and reading a log lists them in key order
+  (the storage's listing order), so a resumed run's parts follow the old ones;
+* in a directory, a log is one file ``<log>.jsonl``, appended and fsynced (and its
+  directory, when the append creates it); a line torn by a kill is cut off before the
+  next append and never read.
+
+Nothing is created before the first write: a refused run leaves no directory behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from service.config import S3StorageSettings, StorageSettings
+from service.storage import NotFoundError, Storage, open_backend, scheme_of
 
 
 class OutputError(Exception):
@@ -33,93 +46,157 @@ def write_problem(path: Path) -> str | None:
     return None
 
 
-class StateStore(Protocol):
-    """The run's output location."""
+class _Output:
+    """The output's storage, opened on first use and shared by its shards' stores."""
 
-    url: str
-    #: Seconds between flushes of a log (each S3 flush is a new object).
-    flush_interval_s: float
+    def __init__(self, url: str, s3: S3StorageSettings | None) -> None:
+        # Documents are replaced (a forced run's job.json, each session's summary).
+        self.settings = StorageSettings(
+            url=url, create_only=False, io_threads=4, s3=s3 or S3StorageSettings()
+        )
+        self.local = local_dir(url)
+        self.session = uuid.uuid4().hex[:12]
+        self.seq = 0
+        self._storage: Storage | None = None
 
-    def exists(self, name: str) -> bool:
-        """Whether the document ``name`` exists."""
+    def storage(self, create: bool) -> Storage | None:
+        """The storage; None for a local directory not made yet, unless ``create``."""
+        if self._storage is None:
+            if self.local is not None and not create and not self.local.is_dir():
+                return None
+            self._storage = open_backend(self.settings)
+        return self._storage
 
-    def read(self, name: str) -> bytes | None:
+    async def close(self) -> None:
+        if self._storage is not None:
+            await self._storage.close()
+
+
+def local_dir(url: str) -> Path | None:
+    """The directory a local output names (a path or ``file://``); None for S3."""
+    if scheme_of(url) != "file":
+        return None
+    from service.storage.local import root_from_url
+
+    return root_from_url(url)
+
+
+class RunStore:
+    """A run's output location (or one shard's directory under it)."""
+
+    def __init__(self, url: str, s3: S3StorageSettings | None = None) -> None:
+        """``url``: a directory, ``file://...`` or ``s3://bucket/prefix``; ``s3``: the S3
+        settings (``HSX_STORAGE__S3__*`` for the CLI), ignored for a directory."""
+        self._output, self._base = _Output(url, s3), ""
+        self.url = str(self._output.local) if self._output.local else url.rstrip("/")
+        #: Seconds between flushes of a log (each S3 flush is a new object).
+        self.flush_interval_s = 0.0 if self._output.local else 2.0
+
+    def child(self, name: str) -> RunStore:
+        """The store one level down (a shard's directory), on the same storage."""
+        child = object.__new__(RunStore)
+        child._output, child._base = self._output, f"{self._base}{name}/"
+        child.url, child.flush_interval_s = f"{self.url}/{name}", self.flush_interval_s
+        return child
+
+    async def read(self, name: str) -> bytes | None:
         """The document ``name``, or None."""
+        storage = self._output.storage(create=False)
+        if storage is None:
+            return None
+        try:
+            return await storage.get(self._base + name)
+        except NotFoundError:
+            return None
 
-    def write(self, name: str, data: bytes) -> None:
-        """Replace the document ``name`` atomically."""
+    async def write(self, name: str, data: bytes) -> None:
+        """Replace the document ``name`` atomically and durably."""
+        storage = self._output.storage(create=True)
+        assert storage is not None
+        await storage.put(self._base + name, data)
 
-    def append(self, log: str, lines: list[str]) -> None:
+    async def append(self, log: str, lines: list[str]) -> None:
         """Append lines (without newlines) durably to ``log``."""
-
-    def lines(self, log: str) -> list[str]:
-        """Every complete line of ``log``, oldest first."""
-
-    def child(self, name: str) -> StateStore:
-        """The store one level down (a shard's directory)."""
-
-    def children(self) -> list[str]:
-        """Names of the sub-stores that hold a ``job.json``."""
-
-
-def open_store(url: str, endpoint_url: str | None = None) -> StateStore:
-    """A store for a directory or ``s3://bucket/prefix``."""
-    if url.startswith("s3://"):
-        bucket, _, prefix = url[5:].partition("/")
-        return S3Store(bucket, prefix.strip("/"), endpoint_url)
-    return LocalStore(Path(url.removeprefix("file://")))
-
-
-class LocalStore:
-    """A directory; created on the first write only."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.url = str(root)
-        self.flush_interval_s = 0.0
-
-    def exists(self, name: str) -> bool:
-        return (self.root / name).is_file()
-
-    def read(self, name: str) -> bytes | None:
-        path = self.root / name
-        return path.read_bytes() if path.is_file() else None
-
-    def write(self, name: str, data: bytes) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        temp = self.root / f".{name}.{uuid.uuid4().hex}.tmp"
-        with temp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        temp.replace(self.root / name)
-
-    def append(self, log: str, lines: list[str]) -> None:
         if not lines:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / f"{log}.jsonl"
-        with path.open("ab+") as handle:
-            _cut_torn_line(handle)
-            handle.write("".join(line + "\n" for line in lines).encode())
-            handle.flush()
-            os.fsync(handle.fileno())
+        storage = self._output.storage(create=True)
+        assert storage is not None
+        data = "".join(line + "\n" for line in lines).encode()
+        if self._output.local is not None:
+            await asyncio.to_thread(append_file, self._log_path(log), data)
+            return
+        self._output.seq += 1
+        # Time-ordered part names: a resumed run's parts sort after the old ones.
+        part = f"{time.time_ns():020d}-{self._output.session}-{self._output.seq:08d}"
+        await storage.put(f"{self._base}{log}/{part}.jsonl", data)
 
-    def lines(self, log: str) -> list[str]:
-        path = self.root / f"{log}.jsonl"
-        if not path.is_file():
+    async def lines(self, log: str) -> list[str]:
+        """Every complete line of ``log``, oldest first."""
+        if self._output.local is not None:
+            return await asyncio.to_thread(read_file_lines, self._log_path(log))
+        storage = self._output.storage(create=False)
+        assert storage is not None
+        out: list[str] = []
+        for key in await self._keys(storage, f"{log}/"):
+            text = (await storage.get(key)).decode()
+            out.extend(line for line in text.splitlines() if line.strip())
+        return out
+
+    async def children(self) -> list[str]:
+        """Names of the sub-stores that hold a ``job.json``, in order."""
+        storage = self._output.storage(create=False)
+        if storage is None:
             return []
-        text = path.read_text()
-        complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
-        return [line for line in complete.splitlines() if line.strip()]
+        names = []
+        for key in await self._keys(storage, ""):
+            name, _, rest = key[len(self._base) :].partition("/")
+            if rest == "job.json":
+                names.append(name)
+        return names
 
-    def child(self, name: str) -> StateStore:
-        return LocalStore(self.root / name)
+    async def close(self) -> None:
+        """Release the storage's threads and connections (all shards' at once)."""
+        await self._output.close()
 
-    def children(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p.parent.name for p in self.root.glob("*/job.json"))
+    async def _keys(self, storage: Storage, prefix: str) -> list[str]:
+        keys: list[str] = []
+        after: str | None = None
+        while True:
+            page = await storage.list(self._base + prefix, after=after)
+            keys += [info.key for info in page.objects]
+            if page.next_after is None:
+                return keys
+            after = page.next_after
+
+    def _log_path(self, log: str) -> Path:
+        assert self._output.local is not None
+        return self._output.local / self._base / f"{log}.jsonl"
+
+
+def append_file(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` and fsync it (and the directory of a new file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("ab+") as handle:
+        _cut_torn_line(handle)
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if new:
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def read_file_lines(path: Path) -> list[str]:
+    """The complete, non-blank lines of a local log (none if it does not exist)."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
+    return [line for line in complete.splitlines() if line.strip()]
 
 
 def _cut_torn_line(handle: Any) -> None:
@@ -134,71 +211,3 @@ def _cut_torn_line(handle: Any) -> None:
     data = handle.read()
     handle.truncate(data.rfind(b"\n") + 1)
     handle.seek(0, os.SEEK_END)
-
-
-class S3Store:
-    """An S3 prefix; credentials and endpoint from the standard AWS chain."""
-
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None) -> None:
-        import boto3
-
-        self.bucket, self.prefix, self.endpoint_url = bucket, prefix, endpoint_url
-        self.url = f"s3://{bucket}/{prefix}".rstrip("/")
-        self.client = boto3.client("s3", endpoint_url=endpoint_url)
-        self.session = f"{uuid.uuid4().hex[:12]}"
-        self.flush_interval_s = 2.0
-        self.seq = 0
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def exists(self, name: str) -> bool:
-        return self.read(name) is not None
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"]
-        except self.client.exceptions.NoSuchKey:
-            return None
-        return bytes(body.read())
-
-    def write(self, name: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
-
-    def append(self, log: str, lines: list[str]) -> None:
-        if not lines:
-            return
-        self.seq += 1
-        # Time-ordered part names: a resumed run's parts sort after the old ones.
-        import time
-
-        name = f"{log}/{time.time_ns():020d}-{self.session}-{self.seq:08d}.jsonl"
-        self.write(name, "".join(line + "\n" for line in lines).encode())
-
-    def lines(self, log: str) -> list[str]:
-        out: list[str] = []
-        for key in self._list(self._key(log) + "/"):
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-            out.extend(line for line in body.decode().splitlines() if line.strip())
-        return out
-
-    def _list(self, prefix: str, delimiter: str | None = None) -> list[str]:
-        paginator = self.client.get_paginator("list_objects_v2")
-        keys: list[str] = []
-        pages = (
-            paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter=delimiter)
-            if delimiter
-            else paginator.paginate(Bucket=self.bucket, Prefix=prefix)
-        )
-        for page in pages:
-            keys.extend(o["Key"] for o in page.get("Contents", []))
-            keys.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
-        return sorted(keys)
-
-    def child(self, name: str) -> StateStore:
-        return S3Store(self.bucket, self._key(name), self.endpoint_url)
-
-    def children(self) -> list[str]:
-        base = self._key("")
-        names = [p[len(base) :].strip("/") for p in self._list(base, delimiter="/")]
-        return [n for n in names if n and self.child(n).exists("job.json")]

@@ -1,7 +1,8 @@
 """``hsx dataset verify``: every ``ok`` row of the manifest against its object.
 
-Each object is read back through the server (``GET /objects/{key}``; S3 answers with a
-presigned redirect) and checked: it exists, its SHA-256 is the manifest's, its tensors
+Each object is read back once through the server (``GET /objects/{key}``; S3 answers
+with a presigned redirect) and checked, decoded here by ``service.codecs`` whatever its
+codec: it exists, its SHA-256 is the manifest's, its tensors
 have the fingerprint's shape and the manifest's token count, its states are finite,
 its ``loss_mask`` holds the manifest's supervised count, and, for rows given as token
 ids, its token ids are the input's.
@@ -16,10 +17,11 @@ from typing import Any
 
 import httpx
 
-from service.dataset.endpoints import auth_headers
+from service.client import AsyncHsxClient, HsxError
+from service.config import S3StorageSettings
 from service.dataset.inputs import iter_rows, open_source
 from service.dataset.manifest import Job, Record, load_job, load_records
-from service.dataset.store import StateStore, open_store
+from service.dataset.store import RunStore
 
 
 @dataclass
@@ -45,20 +47,19 @@ class VerifyReport:
         return "\n".join([head, *self.problems[:50]])
 
 
-def run_stores(output: str, s3_endpoint_url: str | None = None) -> list[tuple[StateStore, Job]]:
+async def run_stores(root: RunStore) -> list[tuple[RunStore, Job]]:
     """The output's run directories: the output itself, or its ``shard-*`` children."""
-    root = open_store(output, s3_endpoint_url)
-    job = load_job(root)
+    job = await load_job(root)
     if job is not None:
         return [(root, job)]
     found = []
-    for name in root.children():
+    for name in await root.children():
         child = root.child(name)
-        child_job = load_job(child)
+        child_job = await load_job(child)
         if child_job is not None:
             found.append((child, child_job))
     if not found:
-        raise FileNotFoundError(f"{output}: no job.json (not the output of hsx dataset run)")
+        raise FileNotFoundError(f"{root.url}: no job.json (not the output of hsx dataset run)")
     return found
 
 
@@ -67,31 +68,43 @@ async def verify_async(
     endpoint: str,
     api_key: str | None = None,
     concurrency: int = 8,
-    s3_endpoint_url: str | None = None,
+    s3: S3StorageSettings | None = None,
     check_input: bool = True,
 ) -> VerifyReport:
     """Check every object the output's manifest names; see the module docstring."""
     report = VerifyReport()
-    async with httpx.AsyncClient(
-        headers=auth_headers(api_key), timeout=120, follow_redirects=True
-    ) as client:
-        for store, job in run_stores(output, s3_endpoint_url):
-            records = await asyncio.to_thread(load_records, store)
-            inputs = _input_ids(job) if check_input else {}
-            report.rows += len(records)
-            report.failed += sum(1 for r in records.values() if r.status == "failed")
-            report.skipped += sum(1 for r in records.values() if r.status == "skipped")
-            keys = [r.key for r in records.values() if r.status == "ok"]
-            if len(set(keys)) != len(keys):
-                report.problems.append(f"{store.url}: a key appears on two rows")
-            ok = [r for r in records.values() if r.status == "ok"]
-            await _check_all(client, endpoint, job, ok, inputs, report, concurrency)
+    root = RunStore(output, s3)
+    try:
+        async with AsyncHsxClient(endpoint, api_key, timeout=120) as client:
+            for store, job in await run_stores(root):
+                await _check_run(client, store, job, report, concurrency, check_input)
+    finally:
+        await root.close()
     return report
 
 
+async def _check_run(
+    client: AsyncHsxClient,
+    store: RunStore,
+    job: Job,
+    report: VerifyReport,
+    concurrency: int,
+    check_input: bool,
+) -> None:
+    records = await load_records(store)
+    inputs = _input_ids(job) if check_input else {}
+    report.rows += len(records)
+    report.failed += sum(1 for r in records.values() if r.status == "failed")
+    report.skipped += sum(1 for r in records.values() if r.status == "skipped")
+    keys = [r.key for r in records.values() if r.status == "ok"]
+    if len(set(keys)) != len(keys):
+        report.problems.append(f"{store.url}: a key appears on two rows")
+    ok = [r for r in records.values() if r.status == "ok"]
+    await _check_all(client, job, ok, inputs, report, concurrency)
+
+
 async def _check_all(
-    client: httpx.AsyncClient,
-    endpoint: str,
+    client: AsyncHsxClient,
     job: Job,
     records: list[Record],
     inputs: dict[int, list[int]],
@@ -102,7 +115,7 @@ async def _check_all(
 
     async def one(record: Record) -> None:
         async with limit:
-            problem = await _check(client, endpoint, job, record, inputs.get(record.row))
+            problem = await _check(client, job, record, inputs.get(record.row))
         report.checked += 1
         if problem:
             report.problems.append(f"row {record.row} ({record.key}): {problem}")
@@ -124,32 +137,35 @@ def _input_ids(job: Job) -> dict[int, list[int]]:
 
 
 async def _check(
-    client: httpx.AsyncClient, endpoint: str, job: Job, record: Record, ids: list[int] | None
+    client: AsyncHsxClient, job: Job, record: Record, ids: list[int] | None
 ) -> str | None:
-    url = f"{endpoint.rstrip('/')}/objects/{record.key}"
     try:
-        response = await client.get(url)
+        data = await client.get_object(record.key or "")
     except httpx.HTTPError as exc:
         return f"cannot read: {exc}"
-    if response.status_code != 200:
-        return f"GET answered {response.status_code}"
-    data = response.content
+    except HsxError as exc:
+        return f"GET answered {exc.status}"
     if hashlib.sha256(data).hexdigest() != record.sha256:
         return "checksum differs from the manifest"
-    if job.fingerprint.codec != "raw":
-        decoded = await client.get(url, params={"decode": "true"})
-        if decoded.status_code != 200:
-            return f"GET ?decode=true answered {decoded.status_code}"
-        data = decoded.content
     return await asyncio.to_thread(_check_tensors, data, job, record, ids)
+
+
+def _tensors(data: bytes, codec: str) -> dict[str, Any]:
+    """The object's tensors, its states in the model dtype whatever the codec."""
+    if codec == "raw":
+        from safetensors.torch import load
+
+        return dict(load(data))
+    from service.codecs import decode
+
+    return dict(decode(data)[0])
 
 
 def _check_tensors(data: bytes, job: Job, record: Record, ids: list[int] | None) -> str | None:
     import torch
-    from safetensors.torch import load
 
     try:
-        tensors: dict[str, Any] = load(data)
+        tensors = _tensors(data, job.fingerprint.codec)
     except Exception as exc:
         return f"not a safetensors object: {exc}"
     states, tokens = tensors.get("hidden_states"), tensors.get("token_ids")

@@ -9,6 +9,8 @@ from typing import Any
 
 from service.config import EngineSettings, Settings
 from service.engine.wire import ConnectorConfig
+from service.metrics import ExtractorMetrics
+from service.storage import Storage, open_storage, scheme_of
 
 CONNECTOR_CLASS = "HsxConnector"
 CONNECTOR_MODULE = "service.engine.connector"
@@ -44,6 +46,32 @@ def read_model_info(model: str, name: str | None = None) -> ModelInfo:
     return ModelInfo(
         name or model, int(text.num_hidden_layers), int(text.hidden_size), hybrid, vocab
     )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What start-up proved before the engine starts, handed to it so nothing is read or
+    opened twice: the model's config (``info``), the layer ids resolved against it, and
+    the storage opened (instrumented into ``metrics.storage``)."""
+
+    info: ModelInfo
+    layer_ids: list[int]
+    storage: Storage
+    metrics: ExtractorMetrics
+
+
+def prepare(settings: Settings, storage_factory: str | None = None) -> Prepared:
+    """Read the model's config, resolve the layer ids and open the storage, unchecked
+    (``hsx serve`` checks each step first, ``service.startup``; tests and benchmarks
+    start engines with this). Raises ValueError for no model or bad layer ids."""
+    model = settings.engine.model
+    if model is None:
+        raise ValueError("engine.model is not set")
+    info = read_model_info(model)
+    layer_ids = resolve_layer_ids(settings.engine.layer_ids, info.num_layers)
+    metrics = ExtractorMetrics(scheme_of(settings.storage.url))
+    storage = open_storage(settings.storage, metrics.storage, factory=storage_factory)
+    return Prepared(info, layer_ids, storage, metrics)
 
 
 def served_model_name(model: str) -> str:

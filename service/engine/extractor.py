@@ -17,18 +17,19 @@ from typing import Any
 
 from service import codecs
 from service.config import Settings
-from service.engine.builder import ModelInfo, engine_args, read_model_info, resolve_layer_ids
+from service.engine.builder import ModelInfo, Prepared, engine_args, prepare, served_model_name
 from service.engine.completion import CompletionReceiver
 from service.engine.errors import (
+    ERROR_TYPES,
     EngineUnavailableError,
     ExtractionError,
     InvalidPromptError,
     InvalidStatesError,
-    StorageWriteError,
 )
+from service.engine.front_end import VllmFrontEnd
 from service.engine.wire import Completion, Extraction, RequestParams
 from service.metrics import ExtractorMetrics
-from service.storage import Storage, open_storage, scheme_of
+from service.storage import Storage
 from service.storage.keys import is_idempotent_key, new_object_key
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class Extractor:
         self.max_model_len = int(engine.vllm_config.model_config.max_model_len)
         #: The codecs this server offers (service.codecs).
         self.codecs = codecs.offered(self.dtype)
+        model_config = engine.model_config
+        self._front_end = VllmFrontEnd.build(
+            model_config, engine.renderer, served_model_name(info.name)
+        )
 
     @property
     def storage(self) -> Storage:
@@ -80,23 +85,35 @@ class Extractor:
         """False once the engine has died."""
         return not self.engine.errored
 
+    @property
+    def front_end(self) -> VllmFrontEnd:
+        """vLLM's request front end on this engine's model config and renderer."""
+        return self._front_end
+
     @classmethod
-    async def start(cls, settings: Settings, *, storage_factory: str | None = None) -> Extractor:
+    async def start(
+        cls,
+        settings: Settings,
+        prepared: Prepared | None = None,
+        *,
+        storage_factory: str | None = None,
+    ) -> Extractor:
         """Start the engine for ``settings.engine.model``.
 
-        ``storage_factory`` ("module:callable") builds the storage backend in both
-        processes instead of the URL's (tests inject storage faults with it; it is
-        instrumented like any backend). Raises ValueError for bad layer ids.
+        ``prepared``: what ``hsx serve``'s start-up checks proved (model config, layer
+        ids, the open storage); without it they are read and opened here
+        (``service.engine.builder.prepare``). Either way the extractor owns the storage
+        and closes it. ``storage_factory`` ("module:callable") builds the storage
+        backend instead of the URL's, in the worker and (unless ``prepared`` opened
+        it) here (tests inject storage faults with it; it is instrumented like any
+        backend). Raises ValueError for bad layer ids.
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        model = settings.engine.model
-        if model is None:
-            raise ValueError("engine.model is not set")
-        info = read_model_info(model)
-        layer_ids = resolve_layer_ids(settings.engine.layer_ids, info.num_layers)
+        if prepared is None:
+            prepared = prepare(settings, storage_factory)
+        info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
         scratch = tempfile.TemporaryDirectory(prefix="hsx-")
-        metrics = ExtractorMetrics(scheme_of(settings.storage.url))
         receiver = CompletionReceiver(f"ipc://{Path(scratch.name) / 'completions.sock'}")
         receiver.on_message = metrics.record
         receiver.start()
@@ -105,10 +122,12 @@ class Extractor:
             engine = AsyncLLM.from_engine_args(args)
         except BaseException:
             await receiver.close()
+            await prepared.storage.close()
             scratch.cleanup()
             raise
-        storage = open_storage(settings.storage, metrics.storage, factory=storage_factory)
-        extractor = cls(settings, engine, receiver, storage, metrics, info, layer_ids, scratch)
+        extractor = cls(
+            settings, engine, receiver, prepared.storage, metrics, info, layer_ids, scratch
+        )
         try:  # the served dtype is known only now ("auto")
             codecs.check_codec(settings.storage.codec, extractor.dtype)
         except ValueError as exc:
@@ -126,43 +145,48 @@ class Extractor:
         their order (objects keep the server's layer order)."""
         codecs.check_layers(layers, self.layer_ids)
 
-    async def extract(
+    def request_params(
         self,
-        prompt_token_ids: Sequence[int],
-        *,
         namespace: str,
-        max_tokens: int = 1,
-        include_output_tokens: bool = False,
-        metadata: Mapping[str, str] | None = None,
-        loss_spans: Sequence[tuple[int, int]] | None = None,
+        *,
         key: str | None = None,
         codec: str | None = None,
         layers: Sequence[int] | None = None,
-    ) -> Extraction:
-        """Run one prompt; return its object once durable.
-
-        ``loss_spans`` (supervised ``[start, end)`` ranges of the prompt) stores a
-        ``loss_mask``; ``key`` replaces the random key (a server-made deterministic one,
-        ``service.storage.keys.idempotent_key``); ``codec`` (``service.codecs``; default
-        ``storage.codec``) says how the object stores its states, ``layers`` which of the
-        served layer ids it holds (default all).
-        Raises ValueError for a codec or layers not served (before the engine sees
-        anything), InvalidPromptError, StorageWriteError, InvalidStatesError,
-        EngineUnavailableError (all ExtractionError, see ``service.engine.errors``). If
-        the caller is cancelled, the engine request is aborted and no object remains
-        (except under an idempotent key: see ``_remove_orphan``).
-        """
+        include_output_tokens: bool = False,
+        metadata: Mapping[str, str] | None = None,
+        loss_spans: Sequence[tuple[int, int]] | None = None,
+    ) -> RequestParams:
+        """Parameters of one prompt for :meth:`extract`, checked against this server, for
+        callers outside the API (tests, benchmarks; the API builds its own once per
+        request, ``service.api.extraction``). ``key`` defaults to a new random key under
+        ``namespace``. Raises ValueError for a codec or layers not served."""
         chosen = self.check_codec(codec)
         self.check_layers(layers)
-        key = key or new_object_key(self.settings.storage.key_prefix, namespace)
-        params = RequestParams(
-            key=key,
+        return RequestParams(
+            key=key or new_object_key(self.settings.storage.key_prefix, namespace),
             include_output_tokens=include_output_tokens,
             metadata=dict(metadata or {}),
             loss_spans=None if loss_spans is None else tuple(loss_spans),
             codec=chosen,
             layers=None if layers is None else tuple(layers),
         )
+
+    async def extract(
+        self, prompt_token_ids: Sequence[int], params: RequestParams, *, max_tokens: int = 1
+    ) -> Extraction:
+        """Run one prompt; return its object (under ``params.key``) once durable.
+
+        ``params`` (``service.engine.wire.RequestParams``) were checked against this
+        server by whoever built them (:meth:`request_params`, or the API once per
+        request): the codec offered, the layers served. ``loss_spans`` there stores a
+        ``loss_mask``; ``codec`` says how the object stores its states, ``layers`` which
+        of the served layer ids it holds (None: all). Raises InvalidPromptError,
+        StorageWriteError, InvalidStatesError, EngineUnavailableError (all
+        ExtractionError, see ``service.engine.errors``). If the caller is cancelled, the
+        engine request is aborted and no object remains (except under an idempotent
+        key: see ``_remove_orphan``).
+        """
+        key = params.key
         waiter = self._receiver.expect(key)
         try:
             output = await self._generate(params, list(prompt_token_ids), max_tokens)
@@ -170,8 +194,8 @@ class Extractor:
         except BaseException:
             self._receiver.abandon(key, waiter)
             raise
-        stored = tuple(self.layer_ids if layers is None else layers)
-        return _extraction(completion, output, chosen, stored)
+        stored = tuple(self.layer_ids) if params.layers is None else params.layers
+        return _extraction(completion, output, params.codec, stored)
 
     async def _generate(self, params: RequestParams, prompt: list[int], max_tokens: int) -> Any:
         from vllm import SamplingParams
@@ -245,13 +269,9 @@ def _extraction(
     """The prompt's result, or its failure raised as the matching ExtractionError."""
     failure = completion.failure
     if failure is not None:
-        if failure.type == "invalid_hidden_states":
+        if failure.type == "invalid_hidden_states":  # the one failure with a reason
             raise InvalidStatesError(failure.message, failure.reason or "")
-        if failure.type == "storage_error":
-            raise StorageWriteError(failure.message)
-        if failure.type == "invalid_request":
-            raise InvalidPromptError(failure.message)
-        raise ExtractionError(failure.message)
+        raise ERROR_TYPES.get(failure.type, ExtractionError)(failure.message)
     assert completion.stored is not None
     return Extraction(
         **completion.stored.model_dump(),

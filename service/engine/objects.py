@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service import codecs
 from service.codecs import CODEC_KEY, CODEC_VERSION_KEY, DECODED_FROM_KEY, Codec
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = "1"
 # Metadata keys we own; a caller's metadata may not override them.
@@ -36,7 +39,9 @@ RESERVED_KEYS = frozenset(
 def object_metadata(
     model: str, layer_ids: Sequence[int], dtype: str, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The ``__metadata__`` of one object: ours first, the caller's strings beside."""
+    """The ``__metadata__`` of one object: ours, and the caller's strings (``extra``)
+    beside them. The one place the two meet: a caller's reserved key never overrides
+    ours."""
     meta = {k: v for k, v in (extra or {}).items() if k not in RESERVED_KEYS}
     meta.update(
         {
@@ -50,22 +55,6 @@ def object_metadata(
     return meta
 
 
-def serialize(
-    codec: Codec,
-    hidden_states: Any,
-    token_ids: Any,
-    metadata: Mapping[str, str],
-    prepared: Mapping[str, Any] | None = None,
-    loss_mask: Any = None,
-) -> bytes:
-    """safetensors bytes of one object (tensors must be on the CPU).
-
-    ``prepared``: the codec's first stage already ran on the device (CUDA), these are
-    its tensors; otherwise it runs here, on ``hidden_states``.
-    """
-    return b"".join(serialize_parts(codec, hidden_states, token_ids, metadata, prepared, loss_mask))
-
-
 def serialize_parts(
     codec: Codec,
     hidden_states: Any,
@@ -74,10 +63,25 @@ def serialize_parts(
     prepared: Mapping[str, Any] | None = None,
     loss_mask: Any = None,
 ) -> list[bytes | memoryview]:
-    """``serialize``'s bytes as [header, tensor memory...], no tensor copied
-    (``service.codecs.pack_parts``); what the writer hands to storage."""
+    """One object's safetensors bytes as [header, tensor memory...], no tensor copied
+    (``service.codecs.pack_parts``); what the writer hands to storage. Tensors must be
+    on the CPU.
+
+    ``prepared``: the codec's first stage already ran on the device (CUDA), these are
+    its tensors; otherwise it runs here, on ``hidden_states``.
+    """
     import torch
 
     tensors = prepared if prepared is not None else codecs.prepare(codec, hidden_states)
     extra = {} if loss_mask is None else {"loss_mask": loss_mask.to(torch.uint8)}
     return codecs.pack_parts(codec, tensors, token_ids, metadata, extra)
+
+
+def loss_mask(spans: Sequence[tuple[int, int]], num_tokens: int) -> torch.Tensor:
+    """uint8 [num_tokens]: 1 on the supervised ``[start, end)`` ranges."""
+    import torch
+
+    mask = torch.zeros(num_tokens, dtype=torch.uint8)
+    for start, end in spans:
+        mask[start:end] = 1
+    return mask

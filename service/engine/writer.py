@@ -1,9 +1,10 @@
 """The worker-side writer pool: validate, serialise and write objects through service.storage.
 
-It runs one asyncio loop on its own thread (the storage interface is async; vLLM's worker
-is not), bounds concurrent writes, and accounts for the bytes copied out of the KV cache
-but not yet durable. The connector reserves bytes before each copy-out; past the ceiling
-it keeps the request's blocks held instead, so memory stays bounded and the scheduler
+It runs one asyncio loop on its own thread (:class:`LoopThread`: the storage interface
+is async; vLLM's worker is not), bounds concurrent writes, and accounts for the bytes
+copied out of the KV cache but not yet durable (:class:`InFlightBudget`). The connector
+reserves bytes before each copy-out; past the ceiling it keeps the request's blocks
+held instead, so memory stays bounded and the scheduler
 slows down when storage is slow. Objects are encoded (``service.codecs``) here, off the
 forward pass; once encoded, an object counts at its encoded size.
 
@@ -17,47 +18,121 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 from service import codecs
-from service.codecs import Codec
 from service.config import StorageSettings
 from service.engine.completion import CompletionSender
-from service.engine.errors import InvalidStatesError
-from service.engine.objects import serialize_parts
-from service.engine.wire import Completion, StoredObject, WriteFailure
-from service.storage import StorageError, StorageOp, open_storage
+from service.engine.errors import (
+    ExtractionError,
+    InvalidStatesError,
+    StorageWriteError,
+)
+from service.engine.jobs import WriteJob
+from service.engine.objects import loss_mask, serialize_parts
+from service.engine.wire import Completion, FailureType, StoredObject, WriteFailure
+from service.storage import ObjectRef, StorageError, StorageOp, open_storage
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 
-@dataclass
-class WriteJob:
-    """One object to write: its states are on the host, or being copied there."""
 
-    key: str
-    hidden_states: Any
-    token_ids: Any
-    metadata: Mapping[str, str]
-    nbytes: int
-    #: uint8 [num_tokens], 1 on supervised tokens, when the request asked for a loss mask.
-    loss_mask: Any = None
-    #: Blocks until the states are on the host; returns the copy's duration in seconds.
-    wait_copied: Callable[[], float] = field(default=lambda: 0.0)
-    release: Callable[[], None] = field(default=lambda: None)  # e.g. return a pinned buffer
-    codec: Codec = "raw"
-    #: The codec's device stage already ran (CUDA): its host tensors. ``hidden_states``
-    #: is then their ``hidden_states`` (same shape; fp8 or bf16 values).
-    prepared: dict[str, Any] | None = None
+class InFlightBudget:
+    """Bytes copied out of the KV cache and not yet durable (or failed), under a ceiling.
+
+    Thread-safe: the worker reserves from the forward pass's thread, the writer shrinks
+    and releases from its own.
+    """
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = ceiling
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._peak = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Bytes reserved now."""
+        return self._in_flight
+
+    @property
+    def peak(self) -> int:
+        """The most bytes ever reserved at once."""
+        return self._peak
+
+    def reserve(self, nbytes: int) -> bool:
+        """Reserve room for ``nbytes``; False when over the ceiling.
+
+        One object larger than the ceiling is let through when nothing else is in
+        flight, or it could never be written.
+        """
+        with self._lock:
+            if self._in_flight and self._in_flight + nbytes > self.ceiling:
+                return False
+            self._in_flight += nbytes
+            self._peak = max(self._peak, self._in_flight)
+            return True
+
+    def shrink(self, reserved: int, now: int) -> int:
+        """Count a reservation of ``reserved`` bytes as ``now`` from here on, if smaller
+        (the host copy went, its encoded bytes stay); returns what it counts now."""
+        if now >= reserved:
+            return reserved
+        with self._lock:
+            self._in_flight -= reserved - now
+        return now
+
+    def release(self, nbytes: int) -> tuple[int, int]:
+        """Give back a reservation of ``nbytes``; returns (in flight, peak) after it."""
+        with self._lock:
+            self._in_flight -= nbytes
+            return self._in_flight, self._peak
+
+
+class LoopThread:
+    """An asyncio event loop running on a daemon thread of its own, for callers that
+    are not async (vLLM's worker is not; the storage interface is)."""
+
+    def __init__(
+        self,
+        name: str,
+        executor: ThreadPoolExecutor,
+        before: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Start the loop; ``before`` runs on its thread first, ``executor`` is its
+        default executor (``asyncio.to_thread``'s threads)."""
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(executor)
+        self._thread = threading.Thread(target=self._run, args=(before,), name=name)
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, before: Callable[[], None]) -> None:
+        before()
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:
+        """Schedule ``coro`` on the loop; its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` on the loop and wait for its result."""
+        return self.submit(coro).result()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loop, wait for its thread (up to ``timeout``) and close it."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=timeout)
+        self.loop.close()
 
 
 class OpBuffer:
@@ -77,6 +152,65 @@ class OpBuffer:
         return tuple(ops)
 
 
+@dataclass(frozen=True)
+class _Encoded:
+    """A job's object, encoded: what the put and its report need."""
+
+    parts: list[bytes | memoryview]
+    """[header, tensor memory...]: the tensors are not copied again, storage writes
+    (and hashes) them where they are."""
+    copy_s: float
+    shape: tuple[int, ...]
+    num_tokens: int
+    num_loss_tokens: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(part).nbytes for part in self.parts)
+
+    def stored(self, key: str, ref: ObjectRef, write_s: float) -> StoredObject:
+        return StoredObject(
+            key=key,
+            uri=ref.uri,
+            size=ref.size,
+            sha256=ref.sha256,
+            num_tokens=self.num_tokens,
+            shape=self.shape,
+            num_loss_tokens=self.num_loss_tokens,
+            copy_s=self.copy_s,
+            write_s=write_s,
+        )
+
+
+def encode(job: WriteJob) -> _Encoded:
+    """Wait for ``job``'s copy, validate, serialise: one thread hop for all three.
+
+    Raises InvalidStatesError for states a reader must not get (``validation.py``).
+    """
+    import torch
+
+    from service.engine.validation import check_states
+
+    copy_s = job.copy.wait()
+    save, tensors = job.save, job.copy.tensors
+    layer_ids = save.layer_ids or None
+    if job.copy.prepared:  # encoded on the GPU: check what a reader will get back
+        check_states(codecs.restore(save.codec, tensors), layer_ids)
+    else:
+        check_states(job.copy.states, layer_ids)
+    mask = None if save.loss_spans is None else loss_mask(save.loss_spans, len(save.token_ids))
+    token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
+    prepared = tensors if job.copy.prepared else None
+    parts = serialize_parts(save.codec, job.copy.states, token_ids, save.metadata, prepared, mask)
+    return _Encoded(
+        parts=parts,
+        copy_s=copy_s,
+        shape=tuple(job.copy.states.shape),
+        num_tokens=len(save.token_ids),
+        num_loss_tokens=None if mask is None else int(mask.sum()),
+    )
+
+
 class WriterPool:
     """Writes jobs to storage on a private event loop; reports each via ``sender``."""
 
@@ -89,119 +223,50 @@ class WriterPool:
         max_concurrent_writes: int,
         storage_factory: str | None = None,
     ) -> None:
-        self.max_bytes_in_flight = max_bytes_in_flight
+        self.budget = InFlightBudget(max_bytes_in_flight)
         self._sender = sender
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._peak = 0
         self._ops = OpBuffer()
-        self._loop = asyncio.new_event_loop()
         # Encoding runs torch ops in these threads: one intra-op thread each, or every
         # writer spins up its own OpenMP team against the forward pass's cores.
-        self._loop.set_default_executor(
-            ThreadPoolExecutor(max_concurrent_writes, "hsx-encode", _one_torch_thread)
-        )
+        encoders = ThreadPoolExecutor(max_concurrent_writes, "hsx-encode", _one_torch_thread)
         forward_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        self._thread = threading.Thread(
-            target=self._run_loop, args=(forward_cpus,), name="hsx-writer"
-        )
-        self._thread.daemon = True
-        self._thread.start()
+        # Off the forward pass's CPUs before any thread of ours is started.
+        self._loop = LoopThread("hsx-writer", encoders, lambda: _off_the_forward_pass(forward_cpus))
         self._storage = open_storage(storage, self._ops, factory=storage_factory)
         self._limit = asyncio.Semaphore(max_concurrent_writes)
         self._pending: set[Future[None]] = set()
 
-    def _run_loop(self, forward_cpus: set[int]) -> None:
-        _off_the_forward_pass(forward_cpus)  # before any thread of ours is started
-        self._loop.run_forever()
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @property
-    def bytes_in_flight(self) -> int:
-        """Bytes copied out of the KV cache and not yet durable (or failed)."""
-        return self._in_flight
-
-    def try_reserve(self, nbytes: int) -> bool:
-        """Reserve room for ``nbytes``; False when over the ceiling.
-
-        One object larger than the ceiling is let through when nothing else is in
-        flight, or it could never be written.
-        """
-        with self._lock:
-            if self._in_flight and self._in_flight + nbytes > self.max_bytes_in_flight:
-                return False
-            self._in_flight += nbytes
-            self._peak = max(self._peak, self._in_flight)
-            return True
-
-    def _shrink(self, job: WriteJob, encoded: int) -> None:
-        """Count ``job`` at its encoded size from now on (the host copy is released)."""
-        with self._lock:
-            if encoded < job.nbytes:
-                self._in_flight -= job.nbytes - encoded
-                job.nbytes = encoded
-
     def submit(self, job: WriteJob) -> None:
         """Queue ``job`` (its bytes reserved); its completion goes to the sender."""
-        future = asyncio.run_coroutine_threadsafe(self._write(job), self._loop)
+        future = self._loop.submit(self._write(job))
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
 
     def report_failure(self, key: str, failure: WriteFailure, nbytes: int = 0) -> None:
         """Report a job that failed before it reached the pool, releasing ``nbytes``."""
-        self._call(self._complete(key, nbytes, failure=failure))
+        self._loop.call(self._complete(key, nbytes, failure=failure))
 
     async def _write(self, job: WriteJob) -> None:
+        key, nbytes, release = job.key, job.nbytes, job.copy.release
+        stored: StoredObject | None = None
+        failure: WriteFailure | None = None
         async with self._limit:
             start = time.perf_counter()
-            stored: StoredObject | None = None
-            failure: WriteFailure | None = None
             try:
-                copy_s, parts = await asyncio.to_thread(self._prepare, job)
-                shape = tuple(job.hidden_states.shape)
+                encoded = await asyncio.to_thread(encode, job)
                 # Encoded: the host copy can go, unless the parts are its memory (raw,
                 # and on CUDA the device-encoded codecs: the parts view the pinned
                 # buffer, so it is released only after the put, in `finally`).
-                job.hidden_states = job.prepared = None
-                self._shrink(job, sum(memoryview(p).nbytes for p in parts))
-                ref = await self._storage.put(job.key, parts)
-                stored = StoredObject(
-                    key=job.key,
-                    uri=ref.uri,
-                    size=ref.size,
-                    sha256=ref.sha256,
-                    num_tokens=int(job.token_ids.shape[0]),
-                    shape=shape,
-                    num_loss_tokens=_count(job.loss_mask),
-                    copy_s=copy_s,
-                    write_s=time.perf_counter() - start,
-                )
+                del job
+                nbytes = self.budget.shrink(nbytes, encoded.nbytes)
+                ref = await self._storage.put(key, encoded.parts)
+                stored = encoded.stored(key, ref, time.perf_counter() - start)
             except Exception as exc:
                 failure = _failure(exc)
-                log.warning("hidden-state object %s not written: %s", job.key, failure.message)
+                log.warning("hidden-state object %s not written: %s", key, failure.message)
             finally:
-                _release(job)
-        await self._complete(job.key, job.nbytes, stored=stored, failure=failure)
-
-    def _prepare(self, job: WriteJob) -> tuple[float, list[bytes | memoryview]]:
-        """Wait for the copy, validate, serialise: one thread hop for all three.
-
-        Returns the copy's duration and the object as [header, tensor memory...]: the
-        tensors are not copied again, storage writes (and hashes) them where they are.
-        """
-        from service.engine.validation import check_states
-
-        copy_s = job.wait_copied()
-        layer_ids = json.loads(job.metadata.get("layer_ids", "null"))
-        if job.prepared is None:
-            check_states(job.hidden_states, layer_ids)
-        else:  # encoded on the GPU: check what a reader will get back
-            check_states(codecs.restore(job.codec, job.prepared), layer_ids)
-        return copy_s, serialize_parts(
-            job.codec, job.hidden_states, job.token_ids, job.metadata, job.prepared, job.loss_mask
-        )
+                release()
+        await self._complete(key, nbytes, stored=stored, failure=failure)
 
     async def _complete(
         self,
@@ -213,9 +278,7 @@ class WriterPool:
     ) -> None:
         # Release and send without an await between them: messages leave in the order
         # of releases, so the last one reports what is left in flight (0 when idle).
-        with self._lock:
-            self._in_flight -= nbytes
-            in_flight, peak = self._in_flight, self._peak
+        in_flight, peak = self.budget.release(nbytes)
         completion = Completion(
             key=key,
             stored=stored,
@@ -231,37 +294,26 @@ class WriterPool:
         deadline = time.monotonic() + timeout
         for future in list(self._pending):
             future.exception(timeout=max(0.0, deadline - time.monotonic()))
-        self._call(self._storage.close())
-        self._call(self._close_sender())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        self._loop.call(self._storage.close())
+        self._loop.call(self._close_sender())
         self._loop.close()
 
     async def _close_sender(self) -> None:
         self._sender.close()
 
 
-def _release(job: WriteJob) -> None:
-    """Run ``job``'s release once (after encoding, or on failure)."""
-    release, job.release = job.release, _nothing
-    release()
-
-
-def _nothing() -> None:
-    pass
-
-
-def _count(loss_mask: Any) -> int | None:
-    return None if loss_mask is None else int(loss_mask.sum())
-
-
 def _failure(exc: Exception) -> WriteFailure:
-    message = f"{type(exc).__name__}: {exc}"
+    """What the caller is told of a write that raised ``exc``: the error type of its
+    ``service.engine.errors`` class."""
     if isinstance(exc, InvalidStatesError):
-        return WriteFailure(type="invalid_hidden_states", message=str(exc), reason=exc.reason)
-    if isinstance(exc, StorageError):
-        return WriteFailure(type="storage_error", message=message)
-    return WriteFailure(type="internal_error", message=message)
+        return WriteFailure(type=_type_of(exc), message=str(exc), reason=exc.reason)
+    error = StorageWriteError if isinstance(exc, StorageError) else ExtractionError
+    return WriteFailure(type=_type_of(error), message=f"{type(exc).__name__}: {exc}")
+
+
+def _type_of(error: ExtractionError | type[ExtractionError]) -> FailureType:
+    # Every class a writer reports has a wire name (wire.FailureType).
+    return cast(FailureType, error.error_type)
 
 
 def _off_the_forward_pass(forward_cpus: set[int]) -> None:

@@ -2,8 +2,8 @@
 
 A backend stores opaque bytes under server-made keys. Its contract:
 
-* ``put`` / ``put_file`` publish atomically: once they return, the key names the
-  complete object; if they raise, no object (and no partial object) exists under it.
+* ``put`` publishes atomically: once it returns, the key names the
+  complete object; if it raises, no object (and no partial object) exists under it.
   ``put`` takes one buffer or a sequence of them (stored one after another), so a
   caller with a header and tensors' memory never joins them into one copy.
 * ``get`` / ``head`` raise :class:`NotFoundError` for a missing key.
@@ -36,6 +36,42 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar
+
+# The errors live in a leaf module so that ``keys`` (which raises InvalidKeyError) needs
+# nothing from here; they stay importable from ``service.storage.base`` as before.
+from service.storage.errors import (
+    AlreadyExistsError,
+    IntegrityError,
+    InvalidKeyError,
+    NotFoundError,
+    StorageConfigError,
+    StorageError,
+    StorageUnavailableError,
+)
+from service.storage.keys import is_key, validate_key, validate_key_prefix
+
+__all__ = [
+    "CHUNK",
+    "AlreadyExistsError",
+    "Buffer",
+    "Data",
+    "IntegrityError",
+    "InvalidKeyError",
+    "NotFoundError",
+    "ObjectInfo",
+    "ObjectPage",
+    "ObjectReader",
+    "ObjectRef",
+    "Source",
+    "Storage",
+    "StorageConfigError",
+    "StorageError",
+    "StorageObserver",
+    "StorageOp",
+    "StorageUnavailableError",
+    "ThreadedStorage",
+    "check_listing",
+]
 
 _T = TypeVar("_T")
 CHUNK = 8 * 1024 * 1024
@@ -103,53 +139,6 @@ class ObjectReader:
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
-
-
-class StorageError(Exception):
-    """A storage operation failed. ``operation`` and ``key`` say which one."""
-
-    kind = "error"
-
-    def __init__(self, message: str, *, operation: str = "", key: str = "") -> None:
-        super().__init__(message)
-        self.operation = operation
-        self.key = key
-
-
-class NotFoundError(StorageError):
-    """No object exists under the key."""
-
-    kind = "not_found"
-
-
-class AlreadyExistsError(StorageError):
-    """The key exists and the backend is create-only."""
-
-    kind = "already_exists"
-
-
-class InvalidKeyError(StorageError, ValueError):
-    """The key is malformed or would resolve outside the backend's root."""
-
-    kind = "invalid_key"
-
-
-class StorageUnavailableError(StorageError):
-    """The store cannot be reached (network, 5xx after retries, disk gone)."""
-
-    kind = "unavailable"
-
-
-class StorageConfigError(StorageError):
-    """The store refuses us for a reason retries cannot fix: no bucket, no access."""
-
-    kind = "config"
-
-
-class IntegrityError(StorageError):
-    """Bytes read back do not match the checksum recorded at write time."""
-
-    kind = "integrity"
 
 
 class Source:
@@ -227,10 +216,6 @@ class Storage(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def put_file(self, key: str, path: Path) -> ObjectRef:
-        """Publish the local file at ``path`` under ``key``; same guarantees as put."""
-
-    @abc.abstractmethod
     async def get(self, key: str) -> bytes:
         """Return the object's bytes. Raises NotFoundError, IntegrityError."""
 
@@ -306,9 +291,6 @@ class ThreadedStorage(Storage):
     async def put(self, key: str, data: Data) -> ObjectRef:
         return await self._run(self._publish, key, Source(data=data))
 
-    async def put_file(self, key: str, path: Path) -> ObjectRef:
-        return await self._run(self._publish, key, Source(path=path))
-
     async def get(self, key: str) -> bytes:
         return await self._run(self._get, key)
 
@@ -333,8 +315,6 @@ class ThreadedStorage(Storage):
         the listing start over). Such a name cannot be a cursor, since ``after`` must be
         a key: continue from it here until the page is full or the listing ends.
         """
-        from service.storage.keys import is_key
-
         objects: list[ObjectInfo] = []
         while True:
             page = self._list(prefix, limit - len(objects), after)
@@ -370,8 +350,6 @@ class ThreadedStorage(Storage):
 def check_listing(prefix: str, limit: int, after: str | None) -> None:
     """Refuse a listing no key could answer: a prefix with ``..``, ``//``, a leading
     ``/``, or characters keys never hold; a limit below 1; a bad ``after`` key."""
-    from service.storage.keys import validate_key, validate_key_prefix
-
     validate_key_prefix(prefix)
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from service.storage.base import (
     Data,
@@ -86,12 +85,6 @@ class InstrumentedStorage(Storage):
     async def put(self, key: str, data: Data) -> ObjectRef:
         async with self._observe("put") as counts:
             ref = await self.inner.put(key, data)
-            counts["written"] = ref.size
-        return ref
-
-    async def put_file(self, key: str, path: Path) -> ObjectRef:
-        async with self._observe("put") as counts:
-            ref = await self.inner.put_file(key, path)
             counts["written"] = ref.size
         return ref
 

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from service.storage.base import InvalidKeyError
+from service.storage.errors import InvalidKeyError
 
 MAX_KEY_BYTES = 1024  # S3's limit on key length
 MAX_SEGMENT_BYTES = 255  # NAME_MAX on every common file system

@@ -15,14 +15,16 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from service import codecs
 from service.api.auth import ApiKeys
 from service.config import Settings
 from tests.engine.conftest import engine_settings
@@ -35,8 +37,26 @@ KEYS = ApiKeys(
     [("team-a", KEY_A), ("team-a", KEY_A2), ("team-b", KEY_B), ("flaky-team", KEY_FLAKY)]
 )
 AUTH_A = {"Authorization": f"Bearer {KEY_A}"}
+
+_CODECS = list(codecs.CODECS)
+#: How pydantic names the codec choices in a refusal, from the registry, so that a new
+#: codec changes no test but its own.
+CODEC_CHOICES = ", ".join(map(repr, _CODECS[:-1])) + f" or {_CODECS[-1]!r}"
 AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
 AUTH_FLAKY = {"Authorization": f"Bearer {KEY_FLAKY}"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """An app behind a real socket, as the OpenAI tests see it: its URL, the model name
+    it answers to, and how many engine requests it has made so far."""
+
+    url: str
+    name: str
+    engine_requests: Callable[[], float]
+    #: Where its objects are stored (local disk).
+    root: Path
+    app: Any
 
 
 class ServerThread:
@@ -146,11 +166,29 @@ def client(local_url: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's tokenizer alone (no weights): what the fast tests tokenise with."""
+    """The tiny model's tokenizer and config, no weights: what the fast tests tokenise
+    with, and what vLLM's front end renders with (``tests.api.fake``)."""
+    from transformers import LlamaConfig
+
     from service.engine.tiny_models import make_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-llama")
     make_tokenizer(out, 512)
+    # The tiny Llama's shape (service.engine.tiny_models): vLLM reads the config only.
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    config.save_pretrained(out)
     return out
 
 
@@ -172,6 +210,37 @@ def fast_settings(root: Path, server: dict[str, Any] | None = None, **limits: An
         limits={**FAST_LIMITS, **limits},
         server=server or {},
     )
+
+
+@pytest.fixture(scope="module")
+def fake_served(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The fast app (the engine-backed app's keys and limits) around the fake, behind a
+    real uvicorn: what the OpenAI routes' refusals are checked against (vLLM's own
+    front end renders there, without an engine)."""
+    from service.engine.builder import served_model_name
+    from tests.api.fake import fake_extractor, fake_server
+
+    root = tmp_path_factory.mktemp("fake-served")
+    extractor = fake_extractor(root / "objects", tokenizer_dir)
+    with fake_server(fast_settings(root), extractor, KEYS) as server:
+        name = served_model_name(extractor.info.name)
+        count = lambda: float(extractor.submitted)  # noqa: E731 - the fake's engine requests
+        yield Served(server.url, name, count, root / "objects", server.app)
+
+
+@pytest.fixture
+def fake_client(fake_served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fake_served.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def sync_client(local_url: str) -> Any:
+    """The official ``openai`` client on the engine-backed app, team-a's key."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{local_url}/v1", api_key=KEY_A, max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """A test double of the extractor, behind the API's protocol (service.api.extractor).
 
 Everything but the engine is real: the tokenizer is the tiny model's Hugging Face
-tokenizer, objects are real safetensors files written through the real local storage.
+tokenizer, the OpenAI routes' front end is vLLM's own renderer built without an engine
+(``VllmFrontEnd.without_engine``, as vLLM's GPU-less render server builds it), objects
+are real safetensors files written through the real local storage.
 Faults the real engine cannot produce on demand are injected per prompt length
 (``faults``), and ``gate`` holds chosen prompts in flight until the test opens it.
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import functools
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,16 +27,17 @@ from service import codecs
 from service.api.app import create_app
 from service.api.auth import ApiKeys
 from service.config import Settings
+from service.engine.builder import served_model_name
 from service.engine.errors import (
     EngineUnavailableError,
     InvalidPromptError,
     InvalidStatesError,
     StorageWriteError,
 )
-from service.engine.wire import Extraction
+from service.engine.front_end import VllmFrontEnd
+from service.engine.wire import Extraction, RequestParams
 from service.metrics import ExtractorMetrics
 from service.storage.base import AlreadyExistsError
-from service.storage.keys import new_object_key
 from service.storage.local import LocalStorage
 
 __all__ = [
@@ -89,18 +93,13 @@ class FakeExtractor:
     def check_layers(self, layers: Sequence[int] | None) -> None:
         codecs.check_layers(layers, self.layer_ids)
 
+    @property
+    def front_end(self) -> VllmFrontEnd:
+        """vLLM's front end on the tiny model's config and tokenizer, without an engine."""
+        return _front_end(self.info.name, self.max_model_len)
+
     async def extract(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        namespace: str,
-        max_tokens: int = 1,
-        include_output_tokens: bool = False,
-        metadata: Mapping[str, str] | None = None,
-        loss_spans: Sequence[tuple[int, int]] | None = None,
-        key: str | None = None,
-        codec: str | None = None,
-        layers: Sequence[int] | None = None,
+        self, prompt_token_ids: Sequence[int], params: RequestParams, *, max_tokens: int = 1
     ) -> Extraction:
         self.submitted += 1
         ids = list(prompt_token_ids)
@@ -118,14 +117,14 @@ class FakeExtractor:
         if fault is InvalidStatesError:  # the writer's check: nothing was stored
             raise fault(f"layer 2 of prompt ({len(ids)} tokens) is all zeros", "all_zero_layer")
         if fault is not None:  # a storage error's detail names paths, buckets, endpoints
-            raise fault(f"injected failure for {self.storage.root}/{namespace}")
+            raise fault(f"injected failure for {self.storage.root}/{params.key}")
         states = np.zeros((len(ids), len(self.layer_ids), self.info.hidden_size), np.float32)
         data = save(
             {"hidden_states": states, "token_ids": np.asarray(ids, np.int64)},
-            metadata={"model": self.info.name, **dict(metadata or {})},
+            metadata={"model": self.info.name, **params.metadata},
         )
         try:
-            ref = await self.storage.put(key or new_object_key("hsx", namespace), data)
+            ref = await self.storage.put(params.key, data)
         except AlreadyExistsError as exc:  # as the real writer reports a lost create-only race
             raise StorageWriteError(f"object exists: {exc}") from exc
         self.written.append(ref.key)
@@ -138,6 +137,8 @@ class FakeExtractor:
             shape=tuple(states.shape),
             prompt_tokens=len(ids),
             output_token_ids=tuple([3] * max_tokens),
+            codec=params.codec,
+            layer_ids=tuple(self.layer_ids) if params.layers is None else params.layers,
         )
 
     async def on_workers(self, method: str) -> list[Any]:
@@ -147,6 +148,12 @@ class FakeExtractor:
     async def close(self) -> None:
         self.closed = True
         await self.storage.close()
+
+
+@functools.cache
+def _front_end(model: str, max_model_len: int) -> VllmFrontEnd:
+    """One per model and process: building vLLM's model config takes seconds."""
+    return VllmFrontEnd.without_engine(model, served_model_name(model), max_model_len=max_model_len)
 
 
 def fake_extractor(root: Path, model: Path, **options: Any) -> FakeExtractor:

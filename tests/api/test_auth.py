@@ -15,7 +15,7 @@ from fastapi.routing import APIRoute
 
 from service.api.auth import ApiKeys
 from service.api.routes import PUBLIC_PATHS
-from tests.api.conftest import KEY_A, KEY_A2, KEYS, ServerThread, fast_settings
+from tests.api.conftest import KEY_A, KEY_A2, KEYS, Served, fast_settings
 from tests.api.fake import serving_in_process
 
 A_KEY = "hsx/team-a/2026/01/01/" + "0" * 32 + ".safetensors"
@@ -105,11 +105,9 @@ async def test_the_body_of_a_request_without_a_key_is_never_read(
 
 
 @pytest.mark.parametrize("key", [KEY_A, KEY_A2], ids=["current", "rotated"])
-@pytest.mark.engine
-@pytest.mark.slow
-def test_right_keys_open_every_route(local_url: str, local_engine: ServerThread, key: str) -> None:
-    # The real engine: the OpenAI routes build vLLM's renderer from it.
-    _, _, app = local_engine.servers[0]
+def test_right_keys_open_every_route(fake_served: Served, key: str) -> None:
+    # The fake's OpenAI routes render with vLLM's own renderer, as the engine's do.
+    local_url, app = fake_served.url, fake_served.app
     for method, path in routes(app):
         response = httpx.request(
             method,

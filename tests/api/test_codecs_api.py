@@ -1,4 +1,8 @@
-"""Codecs and layer subsets over HTTP: the request fields, the 422s, ``?decode=true``."""
+"""Codecs and layer subsets over HTTP: the request fields, the 422s, ``?decode=true``.
+
+The stored objects need the engine (those tests are marked); what is offered and the
+refusals before the engine run on the fake (float32, layers [1, 2, 4], as the engine's).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,12 @@ import torch
 from safetensors.torch import load
 
 from service import codecs
-from tests.api.conftest import AUTH_A, ServerThread, as_extraction
+from tests.api.conftest import AUTH_A, CODEC_CHOICES, Served, ServerThread, as_extraction
 from tests.engine.checks import assert_object_matches
-from tests.engine.conftest import engine_requests, random_prompts
+from tests.engine.conftest import random_prompts
 from tests.engine.reference import reference_states
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
-OFFERED = ["raw", "fp8", "bf16", "lossless"]  # a float32 model: bf16 is offered
+OFFERED = codecs.offered("float32")  # a float32 model: bf16 is offered
 
 
 def extract(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
@@ -25,12 +28,15 @@ def extract(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     return dict(response.json())
 
 
-def test_models_list_the_codecs_offered(client: httpx.Client) -> None:
+def test_models_list_the_codecs_offered(fake_client: httpx.Client) -> None:
+    client = fake_client
     card = client.get("/v1/models", headers=AUTH_A).json()["data"][0]
     assert card["codecs"] == OFFERED
     assert card["default_codec"] == "raw"
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["lossless", "fp8", "bf16"])
 def test_codec_objects_decode_to_raw_over_http(
     client: httpx.Client, local_engine: ServerThread, codec: str
@@ -63,6 +69,8 @@ def test_codec_objects_decode_to_raw_over_http(
         assert relative.max() <= (0.03 if codec == "fp8" else 0.005)
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_decode_of_a_raw_object_is_the_object_itself(client: httpx.Client) -> None:
     key = extract(client, {"prompts": [{"token_ids": [5, 6, 7]}]})["objects"][0]["key"]
     plain = client.get(f"/objects/{key}", headers=AUTH_A).content
@@ -71,6 +79,8 @@ def test_decode_of_a_raw_object_is_the_object_itself(client: httpx.Client) -> No
     assert client.get(f"/objects/{missing}?decode=true", headers=AUTH_A).status_code == 404
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_layers_field_stores_those_layers(client: httpx.Client, local_engine: ServerThread) -> None:
     served = local_engine.extractor.layer_ids
     prompt = random_prompts([40], seed=52)[0]
@@ -87,8 +97,8 @@ def test_layers_field_stores_those_layers(client: httpx.Client, local_engine: Se
 
 BAD: list[tuple[str, dict[str, Any], str, str]] = [
     # (name, extra body, field, text the message must hold)
-    ("unknown codec", {"codec": "zfp"}, "codec", "'raw', 'fp8', 'bf16' or 'lossless'"),
-    ("codec not a string", {"codec": 8}, "codec", "'raw', 'fp8', 'bf16' or 'lossless'"),
+    ("unknown codec", {"codec": "zfp"}, "codec", CODEC_CHOICES),
+    ("codec not a string", {"codec": 8}, "codec", CODEC_CHOICES),
     ("layer not served", {"layers": [3]}, "layers", "served layer ids [1, 2, 4]"),
     ("layers out of order", {"layers": [4, 1]}, "layers", "served layer ids [1, 2, 4]"),
     ("layers repeated", {"layers": [1, 1]}, "layers", "served layer ids [1, 2, 4]"),
@@ -99,8 +109,9 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
 
 @pytest.mark.parametrize(("name", "extra", "field", "text"), BAD, ids=[b[0] for b in BAD])
 def test_bad_codec_or_layers_are_422_before_the_engine(
-    client: httpx.Client, local_engine: ServerThread, name: str, extra: Any, field: str, text: str
+    fake_client: httpx.Client, fake_served: Served, name: str, extra: Any, field: str, text: str
 ) -> None:
+    client, engine_requests = fake_client, fake_served.engine_requests
     submitted = engine_requests()
     body = {"prompts": [{"token_ids": [5, 6, 7]}], **extra}
     response = client.post("/extract", json=body, headers=AUTH_A)

@@ -30,8 +30,8 @@ from safetensors.torch import load, save
 
 from service import codecs
 from tests.api.conftest import AUTH_A, KEY_A, ServerThread
+from tests.codecs.test_codecs import CORRUPT, rewrite_header
 from tests.engine.conftest import random_prompts
-from tests.test_codecs import CORRUPT, rewrite_header
 
 
 def engine_runs(client: httpx.Client) -> float:

@@ -1,7 +1,8 @@
 """``GET /objects``: pagination over 1000 objects on local disk and on S3 (moto).
 
-The app runs in process (no engine: listing never touches it) over ASGI, in front of the
-real storage backends; the objects are written by the same backends /extract uses.
+The app runs in process around the fake extractor (no engine: listing never touches it)
+over ASGI, in front of the real storage backends; the objects are written by the same
+backends /extract uses.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from service.api.app import create_app
 from service.api.auth import ApiKeys
 from service.config import Settings, StorageSettings
 from service.metrics import StorageMetrics
 from service.storage import Storage, open_storage
 from service.storage.keys import new_object_key
+from tests.api.fake import fake_extractor, serving_in_process
 from tests.conftest import s3_settings
 
 KEY_LISTER = "lister-key-0123456789"
@@ -40,14 +41,17 @@ def storage_settings(request: Any, tmp_path: Path) -> StorageSettings:
 
 
 @pytest.fixture
-async def api(storage_settings: StorageSettings) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    """The app with its storage attached, as its lifespan would after the engine starts."""
-    settings = Settings(storage=storage_settings)
-    app = create_app(settings, keys=ApiKeys([("lister", KEY_LISTER), ("other", KEY_OTHER)]))
+async def api(
+    storage_settings: StorageSettings, tokenizer_dir: Path, tmp_path: Path
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """The app around an extractor whose storage is the backend under test."""
+    settings = Settings(engine={"model": "unused"}, storage=storage_settings)
     backend = open_storage(storage_settings, StorageMetrics(CollectorRegistry()))
-    app.state.hsx.storage = backend
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://hsx") as client:
+    extractor = fake_extractor(tmp_path / "unused", tokenizer_dir)
+    await extractor.storage.close()
+    extractor.storage = backend  # type: ignore[assignment]
+    keys = ApiKeys([("lister", KEY_LISTER), ("other", KEY_OTHER)])
+    async with serving_in_process(settings, extractor, keys) as (_, client):
         yield client, backend
     await backend.close()
 

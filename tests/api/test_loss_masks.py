@@ -1,4 +1,5 @@
-"""``loss`` on /extract: the stored loss_mask, over real HTTP and a real engine.
+"""``loss`` on /extract: the stored loss_mask, over real HTTP and a real engine; the
+refusals (before the engine) on the fake, whose tokenizer and template are the same.
 
 The tiny model's template writes ``<|role|>content\\n`` per message, so the assistant's
 supervised text is its content and the newline that ends its turn.
@@ -12,10 +13,8 @@ import httpx
 import pytest
 from safetensors.torch import load
 
-from tests.api.conftest import AUTH_A, ServerThread, objects_under
+from tests.api.conftest import AUTH_A, Served, ServerThread, objects_under
 from tests.api.openai_helpers import served_name
-
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -37,6 +36,8 @@ def supervised_text(tokenizer: Any, tensors: dict[str, Any]) -> list[str]:
     return [tokenizer.decode(ids[s:e]) for s, e in mask_to_spans(mask)]
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_assistant_and_last_turn_masks(client: httpx.Client, local_engine: ServerThread) -> None:
     tokenizer = local_engine.extractor.tokenizer
     for loss, expected in [
@@ -55,6 +56,8 @@ def test_assistant_and_last_turn_masks(client: httpx.Client, local_engine: Serve
         assert obj["num_loss_tokens"] == int(mask.sum())
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_generated_tokens_are_supervised(client: httpx.Client) -> None:
     conversation = CHAT[:2]  # ends with the user: no assistant turn of its own
     body = {
@@ -74,6 +77,8 @@ def test_generated_tokens_are_supervised(client: httpx.Client) -> None:
     assert obj["num_loss_tokens"] == 4
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_all_and_none(client: httpx.Client) -> None:
     body = {"prompts": ["hello world", {"token_ids": [5, 6, 7]}], "loss": "all"}
     response = client.post("/extract", json=body, headers=AUTH_A)
@@ -96,14 +101,14 @@ def test_all_and_none(client: httpx.Client) -> None:
     ],
 )
 def test_refused_masks_name_the_prompt(
-    client: httpx.Client,
-    local_engine: ServerThread,
+    fake_client: httpx.Client,
+    fake_served: Served,
     prompt: dict[str, Any],
     loss: str,
     field: str,
     reason: str,
 ) -> None:
-    root = local_engine.root  # type: ignore[attr-defined]
+    client, root = fake_client, fake_served.root
     before = objects_under(root, "team-a")
     body = {"prompts": [{"messages": CHAT}, prompt], "loss": loss}
     response = client.post("/extract", json=body, headers=AUTH_A)
@@ -122,6 +127,8 @@ def chat(client: httpx.Client, engine: ServerThread, **fields: Any) -> httpx.Res
     return client.post("/v1/chat/completions", json=body, headers=AUTH_A)
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_chat_completions_store_the_mask_extract_stores(
     client: httpx.Client, local_engine: ServerThread
 ) -> None:
@@ -174,11 +181,11 @@ def test_chat_completions_store_the_mask_extract_stores(
     ],
 )
 def test_openai_routes_refuse_a_mask_they_cannot_trust(
-    client: httpx.Client, local_engine: ServerThread, path: str, fields: dict[str, Any], reason: str
+    fake_client: httpx.Client, fake_served: Served, path: str, fields: dict[str, Any], reason: str
 ) -> None:
-    root = local_engine.root  # type: ignore[attr-defined]
+    client, root = fake_client, fake_served.root
     before = objects_under(root, "team-a")
-    body = {"model": served_name(local_engine), "messages": CHAT, "max_tokens": 1, **fields}
+    body = {"model": fake_served.name, "messages": CHAT, "max_tokens": 1, **fields}
     if path == "/v1/completions":
         del body["messages"]
     response = client.post(path, json=body, headers=AUTH_A)

@@ -96,7 +96,7 @@ def test_counters_equal_the_workload(local_engine: ServerThread) -> None:
 
 def test_every_recorded_outcome_is_pre_registered(local_url: str) -> None:
     """The outcome labels the code records exist (at 0) before the first request."""
-    from service.api.routes.extract import outcome_of
+    from service.api.outcomes import outcome_of
     from service.engine import errors
 
     exported = {

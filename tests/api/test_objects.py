@@ -13,7 +13,7 @@ import pytest
 from service.storage.keys import new_object_key
 from tests.api.conftest import AUTH_A, KEYS, fast_settings
 from tests.api.fake import serving_in_process
-from tests.test_codecs import CORRUPT
+from tests.codecs.test_codecs import CORRUPT
 
 
 async def test_get_racing_delete_is_whole_or_404(app_client: httpx.AsyncClient, fake: Any) -> None:

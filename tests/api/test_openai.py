@@ -1,4 +1,9 @@
-"""The official ``openai`` client against hsx: models, completions, chat, render, tokenize."""
+"""The official ``openai`` client against hsx: models, completions, chat, render, tokenize.
+
+On the real engine: stored states are checked against transformers', and the render
+routes against a direct call of vLLM's renderer on the engine (render fidelity). The
+routes' refusals run without an engine (``test_openai_validation.py``).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import openai
 import pytest
 
 from tests.api.conftest import AUTH_A, KEY_A, ServerThread
-from tests.api.openai_helpers import assert_durable, served_name, vllm_render
+from tests.api.openai_helpers import assert_durable, vllm_render
+from tests.api.openai_helpers import served_name as model_name
 from tests.engine.conftest import random_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -21,16 +27,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "Jumps over the lazy dog."},
     {"role": "user", "content": [{"type": "text", "text": "Hidden states?"}]},
 ]
-
-
-@pytest.fixture
-def sync_client(local_url: str) -> Any:
-    with openai.OpenAI(base_url=f"{local_url}/v1", api_key=KEY_A, max_retries=0) as c:
-        yield c
-
-
-def model_name(engine: ServerThread) -> str:
-    return served_name(engine)
 
 
 def test_models_in_openai_shape(sync_client: Any, local_engine: ServerThread) -> None:

@@ -7,32 +7,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import torch
 from safetensors.torch import load
 
 from service import codecs
-from tests.api.conftest import AUTH_A, KEY_A, ServerThread, as_extraction
-from tests.api.openai_helpers import counter, engine_requests, served_name
+from tests.api.conftest import AUTH_A, CODEC_CHOICES, Served, ServerThread, as_extraction
+from tests.api.openai_helpers import counter
+from tests.api.openai_helpers import served_name as model_name
 from tests.engine.checks import assert_object_matches
 from tests.engine.conftest import random_prompts
 from tests.engine.reference import reference_states
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CHAT = [{"role": "user", "content": "The quick brown fox?"}]
+# The stored objects need the engine (marked so); the refusals before it run on the fake.
 
 
-@pytest.fixture
-def sync_client(local_url: str) -> Any:
-    with openai.OpenAI(base_url=f"{local_url}/v1", api_key=KEY_A, max_retries=0) as c:
-        yield c
-
-
-def model_name(engine: ServerThread) -> str:
-    return served_name(engine)
-
-
+@pytest.mark.engine
+@pytest.mark.slow
 def test_completion_with_fp8_codec_stores_fp8_objects(
     sync_client: Any, local_engine: ServerThread
 ) -> None:
@@ -58,6 +50,8 @@ def test_completion_with_fp8_codec_stores_fp8_objects(
         assert relative.max() <= 0.03
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_chat_with_layers_and_lossless_stores_that_subset(
     sync_client: Any, client: httpx.Client, local_engine: ServerThread
 ) -> None:
@@ -82,6 +76,8 @@ def test_chat_with_layers_and_lossless_stores_that_subset(
     assert_object_matches(raw, model, token_ids, subset, as_extraction(params))
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_default_codec_is_named_in_transfer_params(
     sync_client: Any, local_engine: ServerThread
 ) -> None:
@@ -96,8 +92,8 @@ def test_default_codec_is_named_in_transfer_params(
 
 BAD: list[tuple[str, dict[str, Any], str, str]] = [
     # (name, extra body, param, text the message must hold)
-    ("unknown codec", {"codec": "zfp"}, "codec", "'raw', 'fp8', 'bf16' or 'lossless'"),
-    ("codec not a string", {"codec": 8}, "codec", "'raw', 'fp8', 'bf16' or 'lossless'"),
+    ("unknown codec", {"codec": "zfp"}, "codec", CODEC_CHOICES),
+    ("codec not a string", {"codec": 8}, "codec", CODEC_CHOICES),
     ("layer not served", {"layers": [3]}, "layers", "served layer ids [1, 2, 4]"),
     ("layers out of order", {"layers": [4, 1]}, "layers", "served layer ids [1, 2, 4]"),
     ("no layers", {"layers": []}, "layers", "at least 1"),
@@ -114,8 +110,8 @@ ROUTES = [
 @pytest.mark.parametrize(("path", "prompt"), ROUTES, ids=["completions", "chat"])
 @pytest.mark.parametrize(("name", "extra", "param", "text"), BAD, ids=[b[0] for b in BAD])
 def test_bad_codec_or_layers_are_400_before_the_engine(
-    client: httpx.Client,
-    local_url: str,
+    fake_client: httpx.Client,
+    fake_served: Served,
     name: str,
     extra: dict[str, Any],
     param: str,
@@ -123,7 +119,8 @@ def test_bad_codec_or_layers_are_400_before_the_engine(
     path: str,
     prompt: dict[str, Any],
 ) -> None:
-    engine, prompts = engine_requests(local_url), counter(local_url, "hsx_extract_prompts_total")
+    client, local_url, engine_requests = fake_client, fake_served.url, fake_served.engine_requests
+    engine, prompts = engine_requests(), counter(local_url, "hsx_extract_prompts_total")
     response = client.post(path, json={**prompt, **extra}, headers=AUTH_A)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -132,5 +129,5 @@ def test_bad_codec_or_layers_are_400_before_the_engine(
     assert error["param"] == param
     assert error["message"].startswith(f"{param}: ")
     assert text in error["message"]
-    assert engine_requests(local_url) == engine
+    assert engine_requests() == engine
     assert counter(local_url, "hsx_extract_prompts_total") == prompts

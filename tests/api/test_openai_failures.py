@@ -1,22 +1,33 @@
-"""The OpenAI routes under /extract's rules: overload, deadline, disconnect, storage failure."""
+"""The OpenAI routes under /extract's rules: overload, deadline, disconnect, storage failure.
+
+Overload is refused before the engine, so it runs on the fake; the rest needs the
+engine's own aborts and writer (marked).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.api.conftest import AUTH_A, AUTH_FLAKY, ServerThread, objects_under
-from tests.api.openai_helpers import engine_requests, wait_until_idle
+from tests.api.conftest import AUTH_A, AUTH_FLAKY, KEYS, ServerThread, fast_settings, objects_under
+from tests.api.fake import fake_extractor, fake_server
+from tests.api.openai_helpers import wait_until_idle
 from tests.engine.conftest import random_prompts
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+def test_overload_is_429_with_retry_after(tmp_path: Path, tokenizer_dir: Path) -> None:
+    fake = fake_extractor(tmp_path / "objects", tokenizer_dir)
+    settings = fast_settings(tmp_path, max_queued_prompts=1)
+    with fake_server(settings, fake, KEYS) as server:
+        overloaded(server.url, lambda: float(fake.submitted))
 
 
-def test_overload_is_429_with_retry_after(local_engine: ServerThread) -> None:
-    url = local_engine.serve(max_queued_prompts=1)
-    engine = engine_requests(url)
+def overloaded(url: str, engine_requests: Callable[[], float]) -> None:
+    engine = engine_requests()
     response = httpx.post(
         f"{url}/v1/completions",
         json={"prompt": [[1, 2, 3], [4, 5, 6]], "max_tokens": 1},
@@ -31,13 +42,15 @@ def test_overload_is_429_with_retry_after(local_engine: ServerThread) -> None:
         "param": None,
         "code": 429,
     }
-    assert engine_requests(url) == engine
+    assert engine_requests() == engine
     ok = httpx.post(
         f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers=AUTH_A
     )
     assert ok.status_code == 200
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_deadline_is_504_and_leaves_nothing(local_engine: ServerThread) -> None:
     url = local_engine.serve(request_timeout_s=0.05)
     before = objects_under(local_engine.root, "team-a")  # type: ignore[attr-defined]
@@ -50,6 +63,8 @@ def test_deadline_is_504_and_leaves_nothing(local_engine: ServerThread) -> None:
     assert objects_under(local_engine.root, "team-a") == before  # type: ignore[attr-defined]
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_disconnect_aborts_the_engine_requests(local_engine: ServerThread) -> None:
     # 32 prompts of 200 tokens through a 64-token prefill budget, then up to 256 tokens
     # each: seconds of work on any machine, so the 1 s read timeout always comes first
@@ -67,6 +82,8 @@ def test_disconnect_aborts_the_engine_requests(local_engine: ServerThread) -> No
     assert objects_under(local_engine.root, "team-a") == before  # type: ignore[attr-defined]
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 def test_storage_failure_is_502_without_keys_for_lost_objects(
     client: httpx.Client, local_engine: ServerThread
 ) -> None:

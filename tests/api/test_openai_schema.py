@@ -2,6 +2,7 @@
 
 ``tests/api/test_openapi.py`` runs Schemathesis over every operation of the document;
 this checks the OpenAI routes are among the operations it fuzzes, and what they say.
+The document needs no engine: the app runs around the fake extractor.
 """
 
 from __future__ import annotations
@@ -9,12 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import pytest
 import schemathesis
 
-from tests.api.conftest import AUTH_A
-
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+from tests.api.conftest import AUTH_A, Served
 
 ROUTES = {
     "/v1/completions": "CompletionRequest",
@@ -25,7 +23,8 @@ ROUTES = {
 }
 
 
-def test_openai_routes_are_documented_and_fuzzed(local_url: str) -> None:
+def test_openai_routes_are_documented_and_fuzzed(fake_served: Served) -> None:
+    local_url = fake_served.url
     document: dict[str, Any] = httpx.get(
         f"{local_url}/openapi.json", headers=AUTH_A, timeout=30
     ).json()

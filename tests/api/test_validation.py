@@ -228,9 +228,9 @@ async def test_assistant_mask_over_1000_messages_is_linear(fake: Any, tmp_path: 
     spans: list[Any] = []
     extract = fake.extract
 
-    async def spy(ids: Any, **options: Any) -> Any:
-        spans.append(options["loss_spans"])
-        return await extract(ids, **options)
+    async def spy(ids: Any, params: Any, **options: Any) -> Any:
+        spans.append(params.loss_spans)
+        return await extract(ids, params, **options)
 
     fake.extract = spy
     text = "The quick brown fox"

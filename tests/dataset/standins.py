@@ -20,6 +20,8 @@ MODEL = {
     "dtype": "float32",
     "max_model_len": 64,
     "storage_backend": "file",
+    "codecs": ["raw"],
+    "default_codec": "raw",
 }
 
 
@@ -34,7 +36,12 @@ def stored(body: dict[str, Any]) -> Reply:
              "uri": "file:///x", "num_tokens": len(ids), "shape": [len(ids), 2, 4],
              "bytes": 100 + len(ids), "sha256": digest, "status": "created"}
         )  # fmt: skip
-    return 200, {}, {"objects": objects}
+    tokens = sum(o["num_tokens"] for o in objects)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    served = {name: MODEL[name] for name in ("layer_ids", "dtype", "hidden_size", "codecs")}
+    answer = {"id": "ext-standin", "model": MODEL["id"], **served, "objects": objects}
+    answer["usage"] = usage
+    return 200, {}, answer
 
 
 class QuietServer(ThreadingHTTPServer):

@@ -3,6 +3,7 @@ its own process, a replica killed and the client killed mid-run, then verify and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,10 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
+from service.config import S3StorageSettings
 from service.dataset.inputs import iter_rows, open_source
-from service.dataset.store import S3Store
+from service.dataset.store import RunStore
 from tests.dataset.synth import make
-from tests.test_serve import free_port
+from tests.support.processes import free_port, hsx_env, wait_ready
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 KEY = "dataset-team-key-0123456789"
@@ -36,7 +38,7 @@ def hsx_server(cwd: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Pope
         proc = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(port)],
             cwd=cwd,
-            env={**os.environ, **env},
+            env=hsx_env(env),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -53,17 +55,6 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, limit_s: float = 300) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise AssertionError("hsx serve did not become ready")
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +106,15 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "HSX_API_KEY": KEY, "PYTHONPATH": str(Path(__file__).parents[2])}
 
 
-def manifest_rows(store: S3Store) -> int:
-    return len(store.lines("manifest"))
+def lines(store: RunStore, log: str) -> list[str]:
+    return asyncio.run(store.lines(log))
 
 
-def wait_rows(store: S3Store, rows: int, proc: subprocess.Popen[bytes], limit_s: float) -> None:
+def manifest_rows(store: RunStore) -> int:
+    return len(lines(store, "manifest"))
+
+
+def wait_rows(store: RunStore, rows: int, proc: subprocess.Popen[bytes], limit_s: float) -> None:
     deadline = time.monotonic() + limit_s
     while manifest_rows(store) < rows:
         assert proc.poll() is None, "the run ended before reaching the kill point"
@@ -142,7 +137,7 @@ def test_two_replicas_one_killed_client_killed_resumes_and_verifies(
     data = make(2000, seed=7)
     source = data.write_jsonl(tmp_path / "chats.jsonl")
     output = f"s3://{cluster['bucket']}/runs/chats"
-    store = S3Store(cluster["bucket"], "runs/chats", cluster["s3_endpoint"])
+    store = RunStore(output, S3StorageSettings(endpoint_url=cluster["s3_endpoint"]))
     command = cli(
         "run", str(source), "--endpoint", cluster["a"], "--endpoint", cluster["b"],
         "--output", output, "--s3-endpoint-url", cluster["s3_endpoint"],
@@ -166,7 +161,7 @@ def test_two_replicas_one_killed_client_killed_resumes_and_verifies(
     second = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "cannot connect" in second.stderr  # the dead replica was left out
-    summary = json.loads(store.read("summary.json") or b"{}")
+    summary = json.loads(asyncio.run(store.read("summary.json")) or b"{}")
     assert summary["input_rows"] == 2000
     assert summary["ok"] + summary["failed"] + summary["skipped"] == 2000
     assert summary["ok"] == len(data.valid)
@@ -176,7 +171,7 @@ def test_two_replicas_one_killed_client_killed_resumes_and_verifies(
 
     # The manifest: one final row per input row; ok rows exactly the valid ones.
     records: dict[int, dict[str, Any]] = {}
-    for line in store.lines("manifest"):
+    for line in lines(store, "manifest"):
         row = json.loads(line)
         records[row["row"]] = row
     ok = {r["row"]: r for r in records.values() if r["status"] == "ok"}
@@ -187,7 +182,7 @@ def test_two_replicas_one_killed_client_killed_resumes_and_verifies(
     # although one replica died with requests in flight and the client was killed.
     assert sorted(namespace_keys(cluster["s3"], cluster["bucket"])) == sorted(keys)
 
-    errors = [json.loads(line) for line in store.lines("errors")]
+    errors = [json.loads(line) for line in lines(store, "errors")]
     reasons = {e["row"]: e["reason"] for e in errors}
     assert {r for r in reasons if reasons[r].startswith("too_long")} == data.long
     assert {r for r in reasons if reasons[r].startswith("malformed")} == data.malformed

@@ -25,7 +25,7 @@ from service.cli import main
 from service.dataset import cli as dataset_cli
 from service.dataset import runner
 from service.dataset.inputs import Row
-from service.dataset.store import LocalStore
+from service.dataset.store import RunStore
 from tests.dataset.standins import Reply, stored
 
 #: Wall-time bound of one run (a loaded 2-core machine; a healthy run takes ~1 s).
@@ -321,11 +321,14 @@ def test_a_prompt_the_server_never_answers_runs_out_of_retries(
 
 
 def test_the_servers_own_answer_passes_the_checks_that_find_bad_responses() -> None:
-    """objects_of checks a 200 against hsx's own response schema (service/api/schemas.py):
-    the schema's example, as the server serialises it, is accepted; with loss tokens too."""
+    """The client's checks of a 200 (``decode_extract``, which ``runner.objects_of``
+    reads) against hsx's own response schema (service/api/schemas.py): the schema's
+    example, as the server serialises it, is accepted; with loss tokens too."""
     import httpx
 
     from service.api.schemas import ExtractResponse
+    from service.client import BadResponseError
+    from service.client._base import decode_extract
 
     example = ExtractResponse.model_json_schema()["examples"][0]
     answer = ExtractResponse.model_validate(example)
@@ -334,12 +337,12 @@ def test_the_servers_own_answer_passes_the_checks_that_find_bad_responses() -> N
         response = httpx.Response(
             200, content=body.model_dump_json(), headers={"Content-Type": "application/json"}
         )
-        objects = runner.objects_of(response, 1)
+        objects = runner.objects_of(decode_extract(response, 1))
         assert list(objects) == [0]
         assert objects[0]["key"] == example["objects"][0]["key"]
     # The same answer to a request without prompts names a prompt it did not have.
-    with pytest.raises(runner.BadResponse, match=r"objects\[0\]\.index 0 is not a prompt's"):
-        runner.objects_of(httpx.Response(200, content=answer.model_dump_json()), 0)
+    with pytest.raises(BadResponseError, match=r"objects\[0\]\.index 0 is not a prompt's"):
+        decode_extract(httpx.Response(200, content=answer.model_dump_json()), 0)
 
 
 def test_a_proxy_page_beside_a_good_replica_only_costs_retries(
@@ -554,15 +557,15 @@ def test_a_manifest_that_cannot_be_written_stops_the_run(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    append = LocalStore.append
+    append = RunStore.append
 
-    def full_disk(self: LocalStore, log: str, lines: list[str]) -> None:
+    async def full_disk(self: RunStore, log: str, lines: list[str]) -> None:
         if lines:
             raise OSError(28, "No space left on device")
-        append(self, log, lines)
+        await append(self, log, lines)
 
     server = servers(stored)
-    monkeypatch.setattr(LocalStore, "append", full_disk)
+    monkeypatch.setattr(RunStore, "append", full_disk)
     source = write_input(tmp_path / "rows.jsonl", token_rows(10))
     code, elapsed = dataset_run(tmp_path, source, [server.url])
     assert elapsed < LIMIT_S

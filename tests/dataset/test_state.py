@@ -3,6 +3,7 @@ summary, and the command line's refusals of bad input."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from service.cli import main
+from service.config import S3StorageSettings
 from service.dataset.manifest import (
     Fingerprint,
     FingerprintMismatchError,
@@ -23,7 +25,7 @@ from service.dataset.manifest import (
     load_records,
     summarise,
 )
-from service.dataset.store import LocalStore, S3Store
+from service.dataset.store import RunStore
 
 FINGERPRINT = Fingerprint(
     model="m",
@@ -41,38 +43,50 @@ FINGERPRINT = Fingerprint(
 
 
 def test_local_log_survives_a_torn_last_line(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "out")
-    assert not (tmp_path / "out").exists()  # nothing is created before the first write
-    store.append("manifest", ['{"a": 1}', '{"a": 2}'])
-    with (tmp_path / "out" / "manifest.jsonl").open("a") as handle:
-        handle.write('{"a": 3, "tor')  # a writer killed mid-line
-    assert store.lines("manifest") == ['{"a": 1}', '{"a": 2}']
-    store.append("manifest", ['{"a": 4}'])
-    assert store.lines("manifest") == ['{"a": 1}', '{"a": 2}', '{"a": 4}']
+    async def check() -> None:
+        store = RunStore(str(tmp_path / "out"))
+        assert await store.lines("manifest") == []
+        assert not (tmp_path / "out").exists()  # nothing is created before the first write
+        await store.append("manifest", ['{"a": 1}', '{"a": 2}'])
+        with (tmp_path / "out" / "manifest.jsonl").open("a") as handle:
+            handle.write('{"a": 3, "tor')  # a writer killed mid-line
+        assert await store.lines("manifest") == ['{"a": 1}', '{"a": 2}']
+        await store.append("manifest", ['{"a": 4}'])
+        assert await store.lines("manifest") == ['{"a": 1}', '{"a": 2}', '{"a": 4}']
+        await store.close()
+
+    asyncio.run(check())
 
 
 def test_s3_logs_are_parts_read_in_order(s3_endpoint: str, s3_bucket: str, s3_admin: Any) -> None:
-    store = S3Store(s3_bucket, "runs/x", s3_endpoint)
-    store.append("manifest", ["1", "2"])
-    resumed = S3Store(s3_bucket, "runs/x", s3_endpoint)  # a second session, later
-    resumed.append("manifest", ["3"])
-    store.append("manifest", [])
-    assert resumed.lines("manifest") == ["1", "2", "3"]
-    listed = s3_admin.list_objects_v2(Bucket=s3_bucket, Prefix="runs/x/manifest/")
-    assert listed["KeyCount"] == 2
-    store.write("job.json", b"{}")
-    assert store.read("job.json") == b"{}"
-    assert store.read("summary.json") is None
-    root = S3Store(s3_bucket, "runs", s3_endpoint)
-    assert root.children() == ["x"]
+    s3 = S3StorageSettings(endpoint_url=s3_endpoint, region="us-east-1")
+
+    async def check() -> None:
+        store = RunStore(f"s3://{s3_bucket}/runs/x", s3)
+        await store.append("manifest", ["1", "2"])
+        resumed = RunStore(f"s3://{s3_bucket}/runs/x", s3)  # a second session, later
+        await resumed.append("manifest", ["3"])
+        await store.append("manifest", [])
+        assert await resumed.lines("manifest") == ["1", "2", "3"]
+        listed = s3_admin.list_objects_v2(Bucket=s3_bucket, Prefix="runs/x/manifest/")
+        assert listed["KeyCount"] == 2
+        await store.write("job.json", b"{}")
+        assert await store.read("job.json") == b"{}"
+        assert await store.read("summary.json") is None
+        root = RunStore(f"s3://{s3_bucket}/runs", s3)
+        assert await root.children() == ["x"]
+        for one in (store, resumed, root):
+            await one.close()
+
+    asyncio.run(check())
 
 
 def test_the_last_line_of_a_row_wins(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = RunStore(str(tmp_path))
     failed = Record(row=3, custom_id="c", status="failed", reason="gave_up", retryable=True)
     ok = Record(row=3, custom_id="c", status="ok", key="k", num_tokens=5, bytes=10, sha256="s")
-    store.append("manifest", [failed.model_dump_json(), ok.model_dump_json()])
-    records = load_records(store)
+    asyncio.run(store.append("manifest", [failed.model_dump_json(), ok.model_dump_json()]))
+    records = asyncio.run(load_records(store))
     assert records[3].status == "ok"
     assert not failed.final
     assert ok.final
@@ -94,14 +108,15 @@ def test_summary_adds_up_and_is_incomplete_while_rows_are_pending() -> None:
 
 
 def test_a_different_fingerprint_is_refused_unless_forced(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
-    store.write("job.json", dumps(Job(fingerprint=FINGERPRINT, input="x", input_rows=1)))
-    check_fingerprint(store, FINGERPRINT, force=False)
+    store = RunStore(str(tmp_path))
+    job = Job(fingerprint=FINGERPRINT, input="x", input_rows=1)
+    asyncio.run(store.write("job.json", dumps(job)))
+    asyncio.run(check_fingerprint(store, FINGERPRINT, force=False))
     other = FINGERPRINT.model_copy(update={"dtype": "bfloat16", "max_length": 50})
     with pytest.raises(FingerprintMismatchError) as caught:
-        check_fingerprint(store, other, force=False)
+        asyncio.run(check_fingerprint(store, other, force=False))
     assert "dtype: 'float32' -> 'bfloat16', max_length: 100 -> 50" in str(caught.value)
-    check_fingerprint(store, other, force=True)
+    asyncio.run(check_fingerprint(store, other, force=True))
 
 
 class NotHsx(BaseHTTPRequestHandler):

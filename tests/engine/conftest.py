@@ -7,29 +7,14 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest_asyncio
 
 from service.config import Settings
 
-
-def engine_settings(model: Path, storage_url: str, **overrides: Any) -> Settings:
-    """Small engine settings for the CPU: chunked prefill forced by a 64-token budget."""
-    engine = {
-        "model": str(model),
-        "dtype": "float32",
-        "max_model_len": 512,
-        "max_num_batched_tokens": 64,
-        "gpu_memory_utilization": 0.5,
-        "cpu_kvcache_space_gib": 1,
-        "extra_args": {"enforce_eager": True},
-        **overrides.pop("engine", {}),
-    }
-    return Settings(
-        engine=engine, storage={"url": storage_url, **overrides.pop("storage", {})}, **overrides
-    )
+# Re-exported: tests.api and the engine tests import it from here.
+from tests.support.engines import engine_settings as engine_settings
 
 
 @contextlib.asynccontextmanager

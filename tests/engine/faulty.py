@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,6 @@ class FaultyStorage(Storage):
         if namespace.startswith("fail") or (namespace.startswith("flaky") and _odd(data)):
             raise StorageError("injected write failure", operation="put", key=key)
         return await self.inner.put(key, data)
-
-    async def put_file(self, key: str, path: Path) -> ObjectRef:
-        return await self.put(key, path.read_bytes())
 
     def uri(self, key: str) -> str:
         return self.inner.uri(key)
@@ -176,8 +174,11 @@ class CorruptingWorkerExtension(HsxWorkerExtension):
         def corrupted(save: Any, nbytes: int) -> Any:
             job = copy_out(save, nbytes)
             if save.key.split("/")[1].startswith("nan"):
-                job.hidden_states = job.hidden_states.clone()
-                job.hidden_states[-1, 0, 0] = float("nan")
+                job.copy.wait()
+                states = job.copy.states.clone()
+                states[-1, 0, 0] = float("nan")
+                tensors = {**job.copy.tensors, "hidden_states": states}
+                job = replace(job, copy=replace(job.copy, tensors=tensors))
             return job
 
         worker._copy_out = corrupted

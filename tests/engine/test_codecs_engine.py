@@ -56,7 +56,7 @@ async def extract_each_codec(engine: Any, prompt: list[int]) -> dict[str, tuple[
     """The same prompt alone, once per codec: {codec: (extraction, stored bytes)}."""
     out = {}
     for codec in codecs.CODECS:
-        result = await engine.extract(prompt, namespace="codecs", codec=codec)
+        result = await engine.extract(prompt, engine.request_params("codecs", codec=codec))
         assert result.codec == codec
         out[codec] = (result, stored(engine, result))
     return out
@@ -105,12 +105,12 @@ def check_codecs_against_raw(reference: torch.Tensor, objects: dict[str, Any]) -
 
 async def test_layer_subset_holds_only_those_layers(engine: Any) -> None:
     prompt = random_prompts([90], seed=12)[0]
-    full = await engine.extract(prompt, namespace="codecs")
+    full = await engine.extract(prompt, engine.request_params("codecs"))
     everything = load(stored(engine, full))["hidden_states"]
     subset = engine.layer_ids[1:]  # e.g. EAGLE-1 / MTP heads want one or a few
     one = [engine.layer_ids[-1]]
     for layers in (subset, one):
-        result = await engine.extract(prompt, namespace="codecs", layers=layers)
+        result = await engine.extract(prompt, engine.request_params("codecs", layers=layers))
         data = stored(engine, result)
         states = load(data)["hidden_states"]
         index = [engine.layer_ids.index(i) for i in layers]
@@ -119,7 +119,7 @@ async def test_layer_subset_holds_only_those_layers(engine: Any) -> None:
         assert torch.equal(states, everything[:, index])
         assert codecs.read_metadata(data)["layer_ids"] == json.dumps(layers)
         assert result.size < full.size * (len(layers) + 0.5) / len(engine.layer_ids)
-    result = await engine.extract(prompt, namespace="codecs", layers=one, codec="fp8")
+    result = await engine.extract(prompt, engine.request_params("codecs", layers=one, codec="fp8"))
     fp8, _ = codecs.decode(stored(engine, result))
     relative, _ = row_errors(fp8["hidden_states"], everything[:, -1:])
     assert relative.max() <= 0.03
@@ -128,7 +128,7 @@ async def test_layer_subset_holds_only_those_layers(engine: Any) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"codec": "zfp"}, "choose one of raw, fp8, bf16, lossless"),
+        ({"codec": "zfp"}, "choose one of " + ", ".join(codecs.CODECS)),
         ({"layers": [3]}, "not a non-empty subset of the served layer ids"),
         ({"layers": []}, "not a non-empty subset"),
     ],
@@ -138,11 +138,11 @@ async def test_bad_codec_or_layers_never_reach_the_engine(
 ) -> None:
     before = engine_requests()
     with pytest.raises(ValueError, match=message):
-        await engine.extract([5, 6, 7], namespace="codecs", **kwargs)
+        await engine.extract([5, 6, 7], engine.request_params("codecs", **kwargs))
     assert engine_requests() == before
     reversed_layers = list(reversed(engine.layer_ids))
     with pytest.raises(ValueError, match="in that order"):
-        await engine.extract([5, 6, 7], namespace="codecs", layers=reversed_layers)
+        await engine.extract([5, 6, 7], engine.request_params("codecs", layers=reversed_layers))
     assert engine_requests() == before
 
 
@@ -159,9 +159,9 @@ async def test_speculators_arrow_dataset_reads_hsx_fp8_objects(engine: Any, tmp_
     (tmp_path / "hidden_states").mkdir()
     references = []
     for i, prompt in enumerate(prompts):
-        raw = await engine.extract(prompt, namespace="codecs")
+        raw = await engine.extract(prompt, engine.request_params("codecs"))
         references.append(load(stored(engine, raw))["hidden_states"])
-        fp8 = await engine.extract(prompt, namespace="codecs", codec="fp8")
+        fp8 = await engine.extract(prompt, engine.request_params("codecs", codec="fp8"))
         (tmp_path / "hidden_states" / f"hs_{i}.safetensors").write_bytes(stored(engine, fp8))
     Dataset.from_dict(
         {

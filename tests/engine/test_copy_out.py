@@ -1,25 +1,33 @@
 """The worker half's copy-out, without an engine: slots gathered right, timed honestly.
 
 On CUDA: the side-stream gather into pooled pinned buffers gives the bytes a plain copy
-gives, for every codec with a device stage, and the pool stays within its bound.
+gives, for every codec, and the pool stays within its bound.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import random
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load
 
 from service import codecs
 from service.codecs import Codec
 from service.config import StorageSettings
-from service.engine.connector.common import PendingSave
+from service.engine.completion import CompletionReceiver, CompletionSender
+from service.engine.connector.common import FailedSave, HsxConnectorMetadata
 from service.engine.connector.worker import HsxConnectorWorker, slot_indices
-from service.engine.wire import ConnectorConfig
-from service.engine.writer import WriteJob
+from service.engine.jobs import PendingSave, WriteJob
+from service.engine.objects import object_metadata
+from service.engine.wire import ConnectorConfig, WriteFailure
+from service.engine.writer import WriterPool
+from service.storage.keys import new_object_key
 
 BLOCK = 4
 needs_cuda = pytest.mark.skipif(
@@ -57,7 +65,13 @@ def save(
     req_id: str = "r1",
 ) -> PendingSave:
     return PendingSave(
-        req_id, "hsx/t/k", list(range(tokens)), block_ids, {}, codec=codec, layer_index=layer_index
+        req_id,
+        "hsx/t/k",
+        tuple(range(tokens)),
+        tuple(block_ids),
+        {},
+        codec=codec,
+        layer_index=None if layer_index is None else tuple(layer_index),
     )
 
 
@@ -71,11 +85,11 @@ def test_cpu_copy_out_is_a_private_copy_of_the_slots() -> None:
     states = cache("cpu")
     half = worker(states)
     job = half._copy_out(save([4, 1], 7), nbytes=0)
-    assert torch.equal(job.hidden_states, expected(states, [4, 1], 7))
-    assert job.wait_copied() >= 0
+    assert torch.equal(job.copy.states, expected(states, [4, 1], 7))
+    assert job.copy.wait() >= 0
     assert half._copied == {"r1"}  # blocks can go back at once
     states.zero_()
-    assert job.hidden_states.abs().sum() > 0  # shares nothing with the cache
+    assert job.copy.states.abs().sum() > 0  # shares nothing with the cache
 
 
 @pytest.mark.parametrize("layer_index", [None, [2, 0], [1]])
@@ -87,13 +101,59 @@ def test_cpu_copy_out_reads_the_requested_layers_of_any_cache_layout(
     if not contiguous:  # the same values in a cache vLLM laid out another way
         states = states.transpose(1, 2).contiguous().transpose(1, 2)
     half = worker(states)
-    pending = save([5, 0, 3], 11)
-    pending.layer_index = layer_index
+    pending = save([5, 0, 3], 11, layer_index=layer_index)
     job = half._copy_out(pending, nbytes=0)
     want = expected(states, [5, 0, 3], 11)
     if layer_index is not None:
         want = want[:, layer_index]
-    assert torch.equal(job.hidden_states, want)
+    assert torch.equal(job.copy.states, want)
+
+
+async def test_a_step_starts_its_saves_in_order_within_the_ceiling(tmp_path: Path) -> None:
+    # The worker half on the CPU, with a real writer pool: a save is copied out and
+    # written, a failed one reported in its turn, and a save over the ceiling waits
+    # (its blocks held) until the write before it has released its bytes.
+    receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")
+    receiver.start()
+    states = cache("cpu")
+    half = worker(states)
+    one_object = 7 * 3 * 8 * 4  # 7 tokens x 3 layers x 8 float32 values
+    half._writer = WriterPool(
+        StorageSettings(url=str(tmp_path / "objects")),
+        CompletionSender(receiver.address),
+        max_bytes_in_flight=one_object,
+        max_concurrent_writes=2,
+    )
+    metadata = object_metadata("m", (0, 1, 2), "float32")
+
+    def planned(req_id: str, block_ids: list[int]) -> PendingSave:
+        key = new_object_key("hsx", "t")
+        return dataclasses.replace(save(block_ids, 7, req_id=req_id), key=key, metadata=metadata)
+
+    first, second = planned("r1", [4, 1]), planned("r3", [2, 5])
+    failed = FailedSave(
+        "r2", new_object_key("hsx", "t"), WriteFailure(type="invalid_request", message="no")
+    )
+    waiters = [receiver.expect(k) for k in (first.key, failed.key, second.key)]
+    try:
+        assert half.get_finished(HsxConnectorMetadata(saves=[first, failed, second])) == {
+            "r1",
+            "r2",
+        }
+        written, reported = await asyncio.wait_for(asyncio.gather(*waiters[:2]), 30)
+        assert reported.failure == failed.failure
+        assert half.get_finished(None) == {"r3"}  # the first write released its bytes
+        later = await asyncio.wait_for(waiters[2], 30)
+        for pending, done in ((first, written), (second, later)):
+            assert done.stored is not None
+            assert done.stored.shape == (7, 3, 8)
+            stored = load((tmp_path / "objects" / pending.key).read_bytes())
+            want = expected(states, list(pending.block_ids), 7)
+            assert torch.equal(stored["hidden_states"], want)
+        assert later.bytes_in_flight == 0
+    finally:
+        await asyncio.to_thread(half.shutdown)
+        await receiver.close()
 
 
 @pytest.mark.gpu
@@ -103,13 +163,13 @@ def test_cuda_copy_out_is_exact_and_times_the_copy() -> None:
     half = worker(states)
     job = half._copy_out(save([4, 1], 7), nbytes=0)
     assert "r1" not in half._copied  # not before its event completed
-    copy_s = job.wait_copied()  # waits for the copy; its duration from the events
+    copy_s = job.copy.wait()  # waits for the copy; its duration from the events
     assert 0 < copy_s < 60
-    assert torch.equal(job.hidden_states.view(7, 3, 8), expected(states, [4, 1], 7))
-    assert job.hidden_states.is_pinned()
+    assert torch.equal(job.copy.states.view(7, 3, 8), expected(states, [4, 1], 7))
+    assert job.copy.states.is_pinned()
     half._poll_copies()
     assert half._copied == {"r1"}
-    job.release()
+    job.copy.release()
     again: Any = half._pinned.take((7, 3, 8), torch.float32)
     assert again[0].is_pinned()  # the buffer went back to the pool and is reused
 
@@ -141,18 +201,18 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check(job: WriteJob, expected: dict[str, torch.Tensor]) -> None:
-    job.wait_copied()
-    assert job.prepared is not None
-    assert set(job.prepared) == set(expected)
+    job.copy.wait()
+    assert job.copy.prepared
+    assert set(job.copy.tensors) == set(expected)
     for name, tensor in expected.items():
-        assert same_bytes(job.prepared[name], tensor), name
-    assert job.hidden_states is job.prepared["hidden_states"]
+        assert same_bytes(job.copy.tensors[name], tensor), name
+    assert job.copy.states is job.copy.tensors["hidden_states"]
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("layer_index", [None, [0, 2]])
-@pytest.mark.parametrize("codec", ["raw", "fp8", "bf16"])
+@pytest.mark.parametrize("codec", codecs.CODECS)
 def test_cuda_copy_out_gives_the_bytes_of_a_plain_copy(
     codec: Codec, layer_index: list[int] | None
 ) -> None:
@@ -161,9 +221,9 @@ def test_cuda_copy_out_gives_the_bytes_of_a_plain_copy(
     job = half._copy_out(save([4, 1, 5], 10, codec, layer_index), nbytes=0)
     index = None if layer_index is None else torch.tensor(layer_index, device="cuda")
     check(job, plain_copies(states, [4, 1, 5], 10, codec, index))
-    assert job.prepared is not None
-    assert all(t.is_pinned() for t in job.prepared.values())
-    job.release()
+    assert job.copy.prepared
+    assert all(t.is_pinned() for t in job.copy.tensors.values())
+    job.copy.release()
 
 
 @pytest.mark.gpu
@@ -178,16 +238,16 @@ def test_cuda_copy_outs_stay_within_the_pool_bound() -> None:
         # Mostly small objects, some larger than the whole bound (200 tokens: 19 KB raw).
         tokens = 200 if i % 20 == 7 else rng.randrange(1, 41)
         block_ids = rng.sample(range(64), -(-tokens // BLOCK))
-        codec: Codec = rng.choice(["raw", "fp8", "bf16"])
+        codec: Codec = rng.choice(list(codecs.CODECS))
         job = half._copy_out(save(block_ids, tokens, codec, req_id=f"r{i}"), nbytes=0)
         pending.append((job, plain_copies(states, block_ids, tokens, codec, None)))
         assert half._pinned.pinned_bytes <= ceiling
         if len(pending) > 3:  # the writer gives buffers back as it encodes
             job, expected = pending.pop(0)
             check(job, expected)
-            job.release()
+            job.copy.release()
     for job, expected in pending:
         check(job, expected)
-        job.release()
+        job.copy.release()
     assert 0 < half._pinned.pinned_bytes <= ceiling
     assert half._pinned.unpinned_takes >= 4  # the large ones, copied exactly all the same

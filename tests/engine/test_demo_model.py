@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load
 
 from tests.api.conftest import ServerThread, as_extraction
+from tests.e2e.test_speculators import SEQ_LEN, dataset, messages_of, prepare_data
 from tests.engine.checks import assert_object_matches, object_metadata
 from tests.engine.conftest import engine_settings
-from tests.test_speculators import SEQ_LEN, dataset, messages_of, prepare_data
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

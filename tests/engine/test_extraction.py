@@ -38,7 +38,9 @@ async def read(extractor: Any, key: str) -> bytes:
 
 async def test_concurrent_prompts_match_transformers(llama: Any) -> None:
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
-    results = await asyncio.gather(*(llama.extract(p, namespace="dense") for p in prompts))
+    results = await asyncio.gather(
+        *(llama.extract(p, llama.request_params("dense")) for p in prompts)
+    )
     assert len({r.key for r in results}) == len(prompts)
     for prompt, result in zip(prompts, results, strict=True):
         data = await read(llama, result.key)
@@ -49,7 +51,9 @@ async def test_concurrent_prompts_match_transformers(llama: Any) -> None:
 
 
 async def test_metadata_names_model_layers_dtype_and_caller_strings(llama: Any) -> None:
-    result = await llama.extract([5, 6, 7], namespace="dense", metadata={"run": "r1", "model": "x"})
+    result = await llama.extract(
+        [5, 6, 7], llama.request_params("dense", metadata={"run": "r1", "model": "x"})
+    )
     meta = object_metadata(await read(llama, result.key))
     assert meta["layer_ids"] == "[0, 1, 2, 4]"
     assert meta["dtype"] == "float32"
@@ -61,7 +65,7 @@ async def test_metadata_names_model_layers_dtype_and_caller_strings(llama: Any) 
 async def test_include_output_tokens_stores_generated_states(llama: Any) -> None:
     prompt = random_prompts([40], seed=7)[0]
     result = await llama.extract(
-        prompt, namespace="dense", max_tokens=6, include_output_tokens=True
+        prompt, llama.request_params("dense", include_output_tokens=True), max_tokens=6
     )
     assert len(result.output_token_ids) == 6
     # The last generated token was never an input, so it has no state.
@@ -72,7 +76,7 @@ async def test_include_output_tokens_stores_generated_states(llama: Any) -> None
 
 async def test_without_include_output_tokens_only_the_prompt_is_stored(llama: Any) -> None:
     prompt = random_prompts([20], seed=8)[0]
-    result = await llama.extract(prompt, namespace="dense", max_tokens=4)
+    result = await llama.extract(prompt, llama.request_params("dense"), max_tokens=4)
     assert load(await read(llama, result.key))["token_ids"].tolist() == prompt
 
 
@@ -81,7 +85,8 @@ async def test_cancelled_requests_leave_nothing_and_engine_serves(llama: Any) ->
     prompts = random_prompts([30 + i % 50 for i in range(100)], seed=9)
     before = set(_objects(llama.test_root / "hsx" / "cancel"))
     tasks = [
-        asyncio.create_task(llama.extract(p, namespace="cancel", max_tokens=20)) for p in prompts
+        asyncio.create_task(llama.extract(p, llama.request_params("cancel"), max_tokens=20))
+        for p in prompts
     ]
     await asyncio.sleep(0.05)
     for task in tasks[::10]:
@@ -100,7 +105,7 @@ async def test_cancelled_requests_leave_nothing_and_engine_serves(llama: Any) ->
     await wait_until(lambda: remaining() == expected, timeout_s=30)
     assert remaining() == expected
     assert not llama.engine.output_processor.has_unfinished_requests()
-    again = await llama.extract([1, 2, 3], namespace="cancel")
+    again = await llama.extract([1, 2, 3], llama.request_params("cancel"))
     assert again.num_tokens == 3
 
 

@@ -65,7 +65,10 @@ async def test_failed_write_fails_only_that_request(slow: Any) -> None:
     prompts = random_prompts([40] * 9, seed=11)
     namespaces = ["ok", "ok", "fail", "ok", "ok", "ok", "fail", "ok", "ok"]
     outcomes = await asyncio.gather(
-        *(slow.extract(p, namespace=ns) for p, ns in zip(prompts, namespaces, strict=True)),
+        *(
+            slow.extract(p, slow.request_params(ns))
+            for p, ns in zip(prompts, namespaces, strict=True)
+        ),
         return_exceptions=True,
     )
     for ns, outcome in zip(namespaces, outcomes, strict=True):
@@ -80,14 +83,14 @@ async def test_failed_write_fails_only_that_request(slow: Any) -> None:
     errors = sample(slow, "hsx_storage_errors_total", backend="file", operation="put", kind="error")
     assert errors - errors_before == 2
     assert not slow.engine.output_processor.has_unfinished_requests()
-    assert (await slow.extract([9, 8, 7], namespace="ok")).num_tokens == 3
+    assert (await slow.extract([9, 8, 7], slow.request_params("ok"))).num_tokens == 3
 
 
 async def test_slow_storage_stays_under_the_ceiling(slow: Any) -> None:
     # 24 objects of 200 tokens x 3 layers x 128 floats = 300 KiB each, 7 MiB in all,
     # against a 1 MiB ceiling and 50 ms per write.
     prompts = random_prompts([200] * 24, seed=12)
-    results = await asyncio.gather(*(slow.extract(p, namespace="slow") for p in prompts))
+    results = await asyncio.gather(*(slow.extract(p, slow.request_params("slow")) for p in prompts))
     assert len(results) == 24
     assert all((slow.test_root / r.key).stat().st_size == r.size for r in results)
     per_object = 200 * 3 * 128 * 4
@@ -108,9 +111,9 @@ async def test_invalid_states_fail_their_prompt_and_nothing_is_stored(slow: Any)
     nan_prompt, *normal = random_prompts([31, 30, 45, 64, 7], seed=14)
     zero_prompt = [ZERO_TOKEN] * 12
     outcomes = await asyncio.gather(
-        slow.extract(nan_prompt, namespace="nan-checked"),
-        *(slow.extract(p, namespace="checked") for p in normal),
-        slow.extract(zero_prompt, namespace="checked"),
+        slow.extract(nan_prompt, slow.request_params("nan-checked")),
+        *(slow.extract(p, slow.request_params("checked")) for p in normal),
+        slow.extract(zero_prompt, slow.request_params("checked")),
         return_exceptions=True,
     )
     nan_error, *kept, zero_error = outcomes
@@ -131,4 +134,4 @@ async def test_invalid_states_fail_their_prompt_and_nothing_is_stored(slow: Any)
     assert invalid("non_finite") - before["non_finite"] == 1
     assert invalid("all_zero_layer") - before["all_zero_layer"] == 1
     assert not slow.engine.output_processor.has_unfinished_requests()
-    assert (await slow.extract([9, 8, 7], namespace="checked")).num_tokens == 3
+    assert (await slow.extract([9, 8, 7], slow.request_params("checked"))).num_tokens == 3

@@ -46,7 +46,9 @@ async def test_hybrid_defaults(hybrid: Any) -> None:
 
 async def test_hybrid_prompts_match_transformers_through_s3(hybrid: Any, s3_admin: Any) -> None:
     prompts = random_prompts(PROMPT_LENGTHS, seed=2)
-    results = await asyncio.gather(*(hybrid.extract(p, namespace="hybrid") for p in prompts))
+    results = await asyncio.gather(
+        *(hybrid.extract(p, hybrid.request_params("hybrid")) for p in prompts)
+    )
     for prompt, result in zip(prompts, results, strict=True):
         assert result.uri == f"s3://hsx-hybrid/runs/{result.key}"
         body = s3_admin.get_object(Bucket="hsx-hybrid", Key=f"runs/{result.key}")["Body"].read()
@@ -63,7 +65,7 @@ async def test_one_token_last_prefill_chunk_is_exact(hybrid: Any, s3_admin: Any)
     """
     for length in (65, 129):
         prompt = random_prompts([length], seed=length)[0]
-        result = await hybrid.extract(prompt, namespace="hybrid")
+        result = await hybrid.extract(prompt, hybrid.request_params("hybrid"))
         body = s3_admin.get_object(Bucket="hsx-hybrid", Key=f"runs/{result.key}")["Body"].read()
         assert_object_matches(body, hybrid.settings.engine.model, prompt, hybrid.layer_ids, result)
 
@@ -74,7 +76,9 @@ async def test_hybrid_output_token_states_match_transformers(hybrid: Any, s3_adm
     prompts = random_prompts([3, 40, 70], seed=5)
     results = await asyncio.gather(
         *(
-            hybrid.extract(p, namespace="hybrid", max_tokens=6, include_output_tokens=True)
+            hybrid.extract(
+                p, hybrid.request_params("hybrid", include_output_tokens=True), max_tokens=6
+            )
             for p in prompts
         )
     )
@@ -104,7 +108,9 @@ async def test_storage_metrics_equal_the_work_on_s3(hybrid: Any, s3_admin: Any) 
     before = (value(puts, operation="put"), value("hsx_storage_written_bytes_total"))
     retries_before = value("hsx_storage_retries_total")
     prompts = random_prompts([5, 17, 33, 64, 90], seed=21)
-    results = await asyncio.gather(*(hybrid.extract(p, namespace="retry") for p in prompts))
+    results = await asyncio.gather(
+        *(hybrid.extract(p, hybrid.request_params("retry")) for p in prompts)
+    )
     sizes = [
         s3_admin.head_object(Bucket="hsx-hybrid", Key=f"runs/{r.key}")["ContentLength"]
         for r in results

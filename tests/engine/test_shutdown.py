@@ -63,7 +63,10 @@ def children() -> dict[int, str]:
 async def cycle(settings: Settings, root: Path) -> None:
     async with running(settings) as extractor:
         results = await asyncio.gather(
-            *(extractor.extract(p, namespace="s") for p in random_prompts([30] * 8, seed=4))
+            *(
+                extractor.extract(p, extractor.request_params("s"))
+                for p in random_prompts([30] * 8, seed=4)
+            )
         )
     # close() returned: every object is complete on disk.
     for result in results:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import re
@@ -17,10 +18,11 @@ from safetensors.torch import load_file
 
 from service.config import StorageSettings
 from service.engine.completion import CompletionReceiver, CompletionSender
-from service.engine.connector.worker import loss_mask
+from service.engine.jobs import CopyOut, PendingSave, WriteJob
 from service.engine.objects import object_metadata
 from service.engine.wire import Completion, WriteFailure
-from service.engine.writer import WriteJob, WriterPool
+from service.engine.writer import InFlightBudget, WriterPool
+from service.masks import Span
 from service.storage.keys import new_object_key
 
 FAULTY = "tests.engine.faulty:open_faulty_storage"
@@ -39,15 +41,22 @@ class Rig:
             **options,
         )
 
-    def job(self, states: torch.Tensor, namespace: str = "team") -> WriteJob:
+    def job(
+        self,
+        states: torch.Tensor,
+        namespace: str = "team",
+        loss_spans: tuple[Span, ...] | None = None,
+    ) -> WriteJob:
         key = new_object_key("hsx", namespace)
-        token_ids = torch.arange(states.shape[0])
-        metadata = object_metadata("m", list(range(states.shape[1])), "float32")
-        return WriteJob(key, states, token_ids, metadata, states.numel() * 4)
+        token_ids = tuple(range(states.shape[0]))
+        layer_ids = tuple(range(states.shape[1]))
+        metadata = object_metadata("m", layer_ids, "float32")
+        save = PendingSave("r", key, token_ids, (), metadata, layer_ids, loss_spans=loss_spans)
+        return WriteJob(save, CopyOut({"hidden_states": states}), states.numel() * 4)
 
     async def write(self, job: WriteJob) -> Completion:
         waiter = self.receiver.expect(job.key)
-        assert self.pool.try_reserve(job.nbytes)
+        assert self.pool.budget.reserve(job.nbytes)
         self.pool.submit(job)
         return await asyncio.wait_for(waiter, 30)
 
@@ -86,8 +95,7 @@ async def test_a_written_object_is_reported_with_its_storage_calls(rig: Rig) -> 
 
 
 async def test_a_loss_mask_is_stored_and_its_tokens_counted(rig: Rig) -> None:
-    job = rig.job(states(tokens=6))
-    job.loss_mask = loss_mask([(1, 3), (4, 6)], 6)
+    job = rig.job(states(tokens=6), loss_spans=((1, 3), (4, 6)))
     completion = await rig.write(job)
     assert completion.stored is not None
     assert completion.stored.num_loss_tokens == 4
@@ -109,7 +117,10 @@ async def test_the_host_copy_is_released_once_after_the_put_that_reads_it(
     # overwrite bytes still being written.
     job = rig.job(states(), namespace=namespace)
     released: list[bool] = []
-    job.release = lambda: released.append((rig.root / job.key).exists())
+    copy = dataclasses.replace(
+        job.copy, release=lambda: released.append((rig.root / job.key).exists())
+    )
+    job = dataclasses.replace(job, copy=copy)
     completion = await rig.write(job)
     stored = completion.stored is not None
     assert released == [stored]  # once; after the object was durable, when it was
@@ -122,19 +133,59 @@ def test_the_ceiling_holds_but_lets_one_large_object_through(tmp_path: Path) -> 
         receiver.start()
         rig = Rig(tmp_path / "objects", receiver, max_bytes_in_flight=1000)
         pool = rig.pool
-        assert pool.try_reserve(5000)  # alone and over the ceiling: let through
-        assert not pool.try_reserve(1)
+        assert pool.budget.reserve(5000)  # alone and over the ceiling: let through
+        assert not pool.budget.reserve(1)
         await asyncio.to_thread(pool.report_failure, "hsx/t/k", _failure(), 5000)
-        assert pool.bytes_in_flight == 0
-        assert pool.try_reserve(600)
-        assert not pool.try_reserve(600)
-        assert pool.try_reserve(400)
-        assert pool.bytes_in_flight == 1000
+        assert pool.budget.in_flight == 0
+        assert pool.budget.reserve(600)
+        assert not pool.budget.reserve(600)
+        assert pool.budget.reserve(400)
+        assert pool.budget.in_flight == 1000
         await asyncio.to_thread(pool.report_failure, "hsx/t/k", _failure(), 1000)
         await asyncio.to_thread(pool.close)
         await receiver.close()
 
     asyncio.run(run())
+
+
+def test_the_budget_lets_one_large_reservation_through_and_tracks_its_peak() -> None:
+    budget = InFlightBudget(1000)
+    assert budget.reserve(5000)  # alone and over the ceiling: let through
+    assert not budget.reserve(1)
+    assert budget.release(5000) == (0, 5000)
+    assert budget.reserve(600)
+    assert not budget.reserve(600)
+    assert budget.reserve(400)
+    assert (budget.in_flight, budget.peak) == (1000, 5000)
+    assert budget.release(1000) == (0, 5000)
+
+
+def test_the_budget_counts_a_shrunk_reservation_at_its_new_size() -> None:
+    budget = InFlightBudget(1000)
+    assert budget.reserve(800)
+    assert budget.shrink(800, 200) == 200  # encoded: the host copy went
+    assert budget.in_flight == 200
+    assert budget.reserve(800)  # room again
+    assert budget.shrink(200, 300) == 200  # never grows
+    assert budget.release(200) == (800, 1000)
+    assert budget.release(800) == (0, 1000)
+
+
+def test_the_budget_is_exact_under_threads() -> None:
+    budget = InFlightBudget(10**9)
+
+    def churn() -> None:
+        for _ in range(2000):
+            assert budget.reserve(7)
+            budget.release(budget.shrink(7, 3))
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert budget.in_flight == 0
+    assert 7 <= budget.peak <= 28
 
 
 def _failure() -> WriteFailure:
@@ -186,7 +237,7 @@ async def test_close_drains_queued_writes(
     jobs = [rig.job(states()) for _ in range(4)]
     waiters = [receiver.expect(job.key) for job in jobs]
     for job in jobs:
-        assert rig.pool.try_reserve(job.nbytes)
+        assert rig.pool.budget.reserve(job.nbytes)
         rig.pool.submit(job)
     await asyncio.to_thread(rig.pool.close)  # returns once every write is done
     assert all((rig.root / job.key).is_file() for job in jobs)

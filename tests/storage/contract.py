@@ -12,7 +12,6 @@ import hashlib
 import os
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
@@ -74,15 +73,6 @@ class StorageContract:
         assert (await storage.head(key)).sha256 == ref.sha256
         pieces[2][:] = b"\0" * size  # the store kept no reference to the caller's buffers
         assert await storage.get(key) == whole
-
-    async def test_put_file_publishes_the_file(self, storage: Storage, tmp_path: Path) -> None:
-        data = payload(BIG, seed=2)
-        source = tmp_path / "source.bin"
-        source.write_bytes(data)
-        key = fresh_key()
-        ref = await storage.put_file(key, source)
-        assert ref.size == BIG
-        assert await storage.get(key) == data
 
     async def test_missing_key_is_not_found(self, storage: Storage) -> None:
         key = fresh_key()

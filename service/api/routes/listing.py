@@ -64,7 +64,6 @@ async def list_objects(
     cursor: Annotated[str | None, Query(max_length=2048)] = None,
 ) -> ObjectListing:
     """List your objects whose keys start with ``prefix`` (default: all of them)."""
-    assert state.storage is not None
     key_prefix = state.settings.storage.key_prefix
     scope = checked_prefix(prefix, namespace_root(key_prefix, namespace))
     after = decode_cursor(cursor, scope)

@@ -25,7 +25,7 @@ UNAVAILABLE: dict[int | str, dict[str, Any]] = {
 @public.get("/health", response_model=Status, responses=UNAVAILABLE)
 async def health(state: StateDep) -> JSONResponse:
     """Liveness: 200 while the engine lives, 503 once it has died."""
-    if state.extractor is None or not state.extractor.alive:
+    if not state.extractor.alive:
         return _status(503, "dead", "the engine is not running")
     return _status(200, "ok")
 
@@ -35,9 +35,8 @@ async def ready(state: StateDep) -> JSONResponse:
     """Readiness: engine started, storage can take a write, not shutting down."""
     if state.draining:
         return _status(503, "draining", "shutting down")
-    if state.extractor is None or not state.extractor.alive:
+    if not state.extractor.alive:
         return _status(503, "unavailable", "the engine is not running")
-    assert state.probe is not None
     error = await state.probe.error()
     if error is not None:
         return _status(503, "unavailable", f"storage: {error}")

@@ -100,7 +100,6 @@ def owned_storage(state: ApiState, key: str, namespace: str) -> Storage:
     """The storage, once ``key`` is known to lie in the caller's namespace (else 404)."""
     if namespace_of(key, state.settings.storage.key_prefix) != namespace:
         raise not_found(key)
-    assert state.storage is not None
     return state.storage
 
 

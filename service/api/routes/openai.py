@@ -41,9 +41,11 @@ from vllm.entrypoints.serve.tokenize.protocol import (
     TokenizeResponse,
 )
 
-from service.api.codec_params import check_codec_params
+from service.api import extraction
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
+from service.api.extractor import FrontEnd
+from service.api.job import ExtractOptions, Job
 from service.api.loss import PromptSpans, chat_spans
 from service.api.openai_protocol import (
     HsxExtras,
@@ -56,11 +58,18 @@ from service.api.openai_protocol import (
     requested_max_tokens,
     transfer_params,
 )
-from service.api.openai_vllm import VllmFrontEnd, front_end
-from service.api.prompts import LoopRun, check_request_limits, in_pool, request_deadline
-from service.api.routes.extract import execute, raise_failures
-from service.api.schemas import ErrorBody, ExtractRequest, PromptObject
+from service.api.outcomes import successes
+from service.api.prompts import (
+    LoopRun,
+    check_request_limits,
+    check_token_ids,
+    client_disconnected,
+    in_pool,
+    request_deadline,
+)
+from service.api.schemas import ErrorBody
 from service.api.state import ApiState
+from service.engine.wire import Extraction
 from service.masks import LossMode, MaskError
 
 router = APIRouter(route_class=OpenAIRoute, tags=["openai"])
@@ -98,7 +107,7 @@ async def completions(
     many = _is_list_of_prompts(body.prompt)
     field = "prompt[]" if many else "prompt"
     count = len(body.prompt) if many else 1
-    vllm, max_tokens, extras = await _checked(request, state, body, count, field)
+    vllm, options, extras = await _checked(state, body, count, field)
     if extras.loss not in ("none", "all"):
         message = f"loss: {extras.loss!r} needs a chat request; a completion takes 'all' or 'none'"
         raise OpenAIError(400, message, param="loss")
@@ -106,8 +115,10 @@ async def completions(
     # Token ids only need checking (cheaper than a thread hop); text is tokenised.
     prompts = await (_vllm(render()) if _token_ids_only(body) else _render(request, state, render))
     spans: list[PromptSpans] = [((0, len(p)),) if extras.loss == "all" else None for p in prompts]
-    outcomes = await _extract(request, state, namespace, prompts, max_tokens, extras, field, spans)
-    return JSONResponse(_completion(state, body, prompts, outcomes, max_tokens).model_dump())
+    custom_ids = extras.custom_ids(len(prompts))
+    job = Job(namespace, prompts, spans, custom_ids, options, _deadline(request, state))
+    outcomes = await _extract(request, state, job, field)
+    return JSONResponse(_completion(state, body, prompts, outcomes, options).model_dump())
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=EXTRACT)
@@ -116,13 +127,13 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
 ) -> JSONResponse:
     """Hidden states of the rendered conversation; answers once the object is durable."""
-    vllm, max_tokens, extras = await _checked(request, state, body, 1, "messages")
+    vllm, options, extras = await _checked(state, body, 1, "messages")
     prompt = await _render(request, state, partial(vllm.chat_token_ids, body))
     spans = [await _chat_spans(request, state, body, extras.loss, prompt)]
-    (outcome,) = await _extract(
-        request, state, namespace, [prompt], max_tokens, extras, "messages", spans
-    )
-    return JSONResponse(_chat(state, body, prompt, outcome, max_tokens).model_dump())
+    deadline = _deadline(request, state)
+    job = Job(namespace, [prompt], spans, extras.custom_ids(1), options, deadline)
+    (outcome,) = await _extract(request, state, job, "messages")
+    return JSONResponse(_chat(state, body, prompt, outcome, options).model_dump())
 
 
 @router.post("/v1/chat/completions/render", response_model=GenerateRequest, responses=RENDER)
@@ -131,7 +142,7 @@ async def render_chat(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> JSONResponse:
     """The token ids vLLM renders for this chat request (no engine work, no object)."""
-    render = partial(front_end(request).render.render_chat_request, body, request)
+    render = partial(state.extractor.front_end.render_chat, body, request)
     return JSONResponse((await _render(request, state, render)).model_dump())
 
 
@@ -142,7 +153,7 @@ async def render_completion(
 ) -> JSONResponse:
     """The token ids vLLM renders for each prompt (no engine work, no object): at most
     ``max_prompts`` prompts and ``max_total_tokens`` tokens, as an extraction."""
-    render = partial(front_end(request).render.render_completion_request, body, request)
+    render = partial(state.extractor.front_end.render_completion, body, request)
     rendered = await _render(request, state, render)
     _check_total(state, sum(len(r.token_ids) for r in rendered), "prompt")
     return JSONResponse([r.model_dump() for r in rendered])
@@ -153,7 +164,7 @@ async def render_completion(
 async def tokenize(body: TokenizeRequest, request: Request, state: StateDep) -> JSONResponse:
     """Token ids of a prompt or a conversation, as vLLM's ``/tokenize``; past
     max_model_len a 400 (vLLM would answer any length)."""
-    render = partial(front_end(request).tokenization.create_tokenize, body, request)
+    render = partial(state.extractor.front_end.tokenize, body, request)
     result = await _render(request, state, render)
     field = "messages" if hasattr(body, "messages") else "prompt"
     if result.count > state.extractor.max_model_len:
@@ -166,26 +177,33 @@ async def tokenize(body: TokenizeRequest, request: Request, state: StateDep) -> 
 @bounded("tokens")
 async def detokenize(body: DetokenizeRequest, request: Request, state: StateDep) -> JSONResponse:
     """The text of at most max_model_len token ids, as vLLM's ``/detokenize``."""
-    render = partial(front_end(request).tokenization.create_detokenize, body, request)
+    render = partial(state.extractor.front_end.detokenize, body, request)
     return JSONResponse((await _render(request, state, render)).model_dump())
 
 
 async def _checked(
-    request: Request, state: ApiState, body: Any, prompts: int, prompt_field: str
-) -> tuple[VllmFrontEnd, int, HsxExtras]:
+    state: ApiState, body: Any, prompts: int, prompt_field: str
+) -> tuple[FrontEnd, ExtractOptions, HsxExtras]:
     """Checks before rendering: the model (404), refused fields, hsx's extra fields
     (``codec``, ``layers``, ``loss``), prompt and token limits, and text too long to fit."""
-    vllm = front_end(request)
-    wrong_model = await vllm.registry.check_model(body.model)
+    vllm = state.extractor.front_end
+    wrong_model = await vllm.check_model(body.model)
     if wrong_model is not None:
         raise OpenAIError.from_vllm(wrong_model)
-    assert state.metrics is not None
     try:
         refuse_unsupported(body)
         max_tokens = requested_max_tokens(body, "max_completion_tokens", "max_tokens")
         extras = hsx_extras(body)
         extras.custom_ids(prompts)  # one per prompt, before anything is rendered
-        check_codec_params(state.extractor, extras.codec, extras.layers)
+        options = ExtractOptions.checked(
+            state,
+            max_tokens=max_tokens,
+            include_output_tokens=extras.include_output_tokens,
+            metadata=extras.metadata,
+            loss=extras.loss,
+            codec=extras.codec,
+            layers=extras.layers,
+        )
         check_request_limits(prompts, max_tokens, state.settings.limits)
     except OpenAIError:
         state.metrics.rejected("invalid_request")
@@ -193,7 +211,7 @@ async def _checked(
     except ApiError as error:
         state.metrics.rejected(error.detail.type)
         raise OpenAIError.from_api_error(error, prompt_field) from None
-    return vllm, max_tokens, extras
+    return vllm, options, extras
 
 
 async def _chat_spans(
@@ -212,7 +230,6 @@ async def _chat_spans(
     try:
         return await in_pool(state, compute, _deadline(request, state))
     except MaskError as exc:
-        assert state.metrics is not None
         state.metrics.rejected("invalid_request")
         raise OpenAIError(400, f"loss: {loss!r}: {exc}", param="loss") from None
 
@@ -225,7 +242,6 @@ def _check_total(state: ApiState, tokens: int, field: str) -> None:
 
 
 def _rejected(state: ApiState, field: str, message: str) -> OpenAIError:
-    assert state.metrics is not None
     state.metrics.rejected("limit_exceeded")
     return OpenAIError(400, f"{field}: {message}", type="limit_exceeded", param=field)
 
@@ -260,39 +276,33 @@ async def _vllm(work: Awaitable[T]) -> T:
 
 
 async def _extract(
-    request: Request,
-    state: ApiState,
-    namespace: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    extras: HsxExtras,
-    prompt_field: str,
-    spans: list[PromptSpans],
-) -> list[Any]:
-    """Run the prompts exactly as ``/extract`` does; every object durable, or an error."""
-    ids = extras.custom_ids(len(prompts))
-    body = ExtractRequest.model_construct(
-        prompts=[
-            PromptObject.model_construct(token_ids=p, custom_id=i)
-            for p, i in zip(prompts, ids, strict=True)
-        ],
-        max_tokens=max_tokens,
-        include_output_tokens=extras.include_output_tokens,
-        metadata=extras.metadata,
-        loss=extras.loss,
-        codec=extras.codec,
-        layers=extras.layers,
-    )
+    request: Request, state: ApiState, job: Job, prompt_field: str
+) -> list[Extraction]:
+    """Run the rendered prompts as ``/extract`` runs its own (``service.api.extraction``),
+    their token ids checked as ``/extract`` checks token ids; every object durable, or
+    an error."""
+    extractor = state.extractor
     try:
-        outcomes = await execute(body, request, state, namespace, spans)
-        raise_failures(outcomes)
+        with extraction.rejections(state):
+            extraction.ensure_serving(state)
+            check_token_ids(
+                job.token_ids,
+                job.options.max_tokens,
+                vocab_size=extractor.info.vocab_size,
+                max_model_len=extractor.max_model_len,
+                limits=state.settings.limits,
+            )
+        return successes(await extraction.run(state, job, partial(client_disconnected, request)))
     except ApiError as error:
         raise OpenAIError.from_api_error(error, prompt_field) from None
-    return outcomes
 
 
 def _completion(
-    state: ApiState, body: Any, prompts: list[list[int]], outcomes: list[Any], max_tokens: int
+    state: ApiState,
+    body: Any,
+    prompts: list[list[int]],
+    outcomes: list[Extraction],
+    options: ExtractOptions,
 ) -> CompletionResponse:
     """vLLM's completion answer; token ids only when asked, as vLLM gives them."""
     ids = bool(body.return_token_ids)
@@ -301,7 +311,7 @@ def _completion(
         CompletionResponseChoice(
             index=i,
             text=_text(state, o.output_token_ids, body.skip_special_tokens),
-            finish_reason=finish_reason(o, max_tokens),
+            finish_reason=finish_reason(o, options.max_tokens),
             token_ids=list(o.output_token_ids) if ids else None,
             prompt_token_ids=prompts[i] if ids else None,
             kv_transfer_params=params[i],
@@ -317,7 +327,7 @@ def _completion(
 
 
 def _chat(
-    state: ApiState, body: Any, prompt: list[int], outcome: Any, max_tokens: int
+    state: ApiState, body: Any, prompt: list[int], outcome: Extraction, options: ExtractOptions
 ) -> ChatCompletionResponse:
     """vLLM's chat answer: ``prompt_token_ids`` at the top level, as vLLM puts them."""
     ids = bool(body.return_token_ids)
@@ -326,7 +336,7 @@ def _chat(
     choice = ChatCompletionResponseChoice(
         index=0,
         message=ChatMessage(role="assistant", content=text),
-        finish_reason=finish_reason(outcome, max_tokens),
+        finish_reason=finish_reason(outcome, options.max_tokens),
         token_ids=list(outcome.output_token_ids) if ids else None,
         kv_transfer_params=params,
     )
@@ -355,7 +365,7 @@ def _model(state: ApiState, requested: str | None) -> str:
     return requested or state.model_name
 
 
-def _usage(outcomes: list[Any]) -> UsageInfo:
+def _usage(outcomes: list[Extraction]) -> UsageInfo:
     prompt = sum(o.prompt_tokens for o in outcomes)
     generated = sum(len(o.output_token_ids) for o in outcomes)
     return UsageInfo(

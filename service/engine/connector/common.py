@@ -7,42 +7,20 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from service.codecs import Codec
-from service.engine.wire import FailureType
+from service.engine.jobs import FailedSave, PendingSave
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-
-@dataclass
-class PendingSave:
-    """One finished request whose hidden states must be copied out and written.
-
-    ``failure`` is set when the request's parameters were unusable: the worker then
-    reports it under ``key`` without copying anything.
-    """
-
-    req_id: str
-    key: str
-    token_ids: list[int]
-    block_ids: list[int]
-    metadata: dict[str, str]
-    failure: str | None = None
-    failure_type: FailureType = "internal_error"
-    """The error type a caller sees for ``failure`` (``invalid_request``: the prompt's)."""
-    loss_spans: list[tuple[int, int]] | None = None
-    """Supervised ``[start, end)`` ranges of ``token_ids``: write a ``loss_mask``."""
-    codec: Codec = "raw"
-    """How the object stores its states (``service.codecs``)."""
-    layer_index: list[int] | None = None
-    """Positions in the cache's layer dimension of the layers to store; None: all."""
+__all__ = ["FailedSave", "HsxConnectorMetadata", "PendingSave", "find_hidden_state_group"]
 
 
 @dataclass
 class HsxConnectorMetadata(KVConnectorMetadata):
-    """Scheduler-to-worker message of one step: the saves to start."""
+    """Scheduler-to-worker message of one step: the saves to start, in finishing order
+    (a failed one is reported in its turn)."""
 
-    saves: list[PendingSave] = field(default_factory=list)
+    saves: list[PendingSave | FailedSave] = field(default_factory=list)
 
 
 def find_hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:

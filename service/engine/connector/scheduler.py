@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from service.engine.connector.common import HsxConnectorMetadata, PendingSave
+from service.engine.connector.common import FailedSave, HsxConnectorMetadata, PendingSave
 from service.engine.objects import object_metadata
-from service.engine.wire import REQUEST_ARG, RequestParams
+from service.engine.wire import REQUEST_ARG, RequestParams, WriteFailure
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
@@ -20,14 +20,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Served:
+    """What this server stores for every request: its model, layer ids and dtype."""
+
+    model: str
+    layer_ids: tuple[int, ...]
+    dtype: str
+
+
 class HsxConnectorScheduler:
     """Holds each finished hsx request's blocks and queues its save for the workers."""
 
     def __init__(self, group: int, model_name: str, layer_ids: Sequence[int], dtype: str) -> None:
         self._group = group
-        self._layer_ids = list(layer_ids)
-        self._base_metadata = object_metadata(model_name, layer_ids, dtype)
-        self._ready: list[PendingSave] = []
+        self._served = Served(model_name, tuple(layer_ids), dtype)
+        self._ready: list[PendingSave | FailedSave] = []
         self._held: set[str] = set()
 
     def build_connector_meta(self) -> HsxConnectorMetadata:
@@ -54,11 +62,13 @@ class HsxConnectorScheduler:
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED:
             return False, None
-        self._ready.append(self._save(request, extra_args, list(blocks)))
+        self._ready.append(self._save(request, extra_args, blocks))
         self._held.add(request.request_id)
         return True, None
 
-    def _save(self, request: Request, extra_args: dict[str, Any], blocks: list[int]) -> PendingSave:
+    def _save(
+        self, request: Request, extra_args: dict[str, Any], blocks: Sequence[int]
+    ) -> PendingSave | FailedSave:
         try:
             params = RequestParams.from_extra_args(extra_args)
         except ValidationError as exc:
@@ -66,38 +76,13 @@ class HsxConnectorScheduler:
             log.error("malformed hsx request parameters: %s", exc)
             raw = extra_args.get(REQUEST_ARG)
             key = str(raw.get("key", "")) if isinstance(raw, dict) else ""
-            return PendingSave(request.request_id, key, [], blocks, {}, failure=str(exc))
+            failure = WriteFailure(type="internal_error", message=str(exc))
+            return FailedSave(request.request_id, key, failure)
         assert params is not None
-        prompt = list(request.prompt_token_ids or [])
-        # With output tokens: the last one was sampled, never fed back, so has no state.
-        token_ids = list(request.all_token_ids)[:-1] if params.include_output_tokens else prompt
-        base = self._base_metadata  # ours first; a caller's key never overrides ours
-        metadata = {**base, **{k: v for k, v in params.metadata.items() if k not in base}}
-        if params.layers is not None:
-            metadata["layer_ids"] = json.dumps(list(params.layers))
-        save = PendingSave(request.request_id, params.key, token_ids, blocks, metadata)
-        save.codec = params.codec
-        if params.layers is not None:
-            try:
-                save.layer_index = layer_positions(params.layers, self._layer_ids)
-            except ValueError as exc:  # a bug of ours: the Extractor checks layers first
-                save.failure = str(exc)
-        if params.loss_spans is not None:
-            try:
-                save.loss_spans = stored_loss_spans(params.loss_spans, len(prompt), len(token_ids))
-            except ValueError as exc:  # a bug of ours, as above
-                save.failure = str(exc)
-            if save.loss_spans is not None and not any(e > s for s, e in save.loss_spans):
-                # The API let a prompt without supervised tokens through because generated
-                # ones would count, but the model stopped before one had states: refuse
-                # rather than store an all-zero mask.
-                save.failure = (
-                    "loss: no token is supervised: the prompt has none and generation "
-                    f"stopped after {len(request.all_token_ids) - len(prompt)} token(s), "
-                    "none of which has states (the last sampled token never does)"
-                )
-                save.failure_type = "invalid_request"
-        return save
+        planned = plan_save(request, blocks, params, self._served)
+        if isinstance(planned, WriteFailure):
+            return FailedSave(request.request_id, params.key, planned)
+        return planned
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Requests the workers copied out: vLLM frees their blocks now."""
@@ -106,6 +91,54 @@ class HsxConnectorScheduler:
     def has_pending_block_frees(self) -> bool:
         """Held blocks come back once copied out: vLLM waits for them rather than preempt."""
         return bool(self._held)
+
+
+def plan_save(
+    request: Request, blocks: Sequence[int], params: RequestParams, served: Served
+) -> PendingSave | WriteFailure:
+    """The save of a finished request of ours: which tokens, layers and blocks to copy
+    and how to write them, or why it gets no object. Reads its arguments, nothing else.
+
+    ``request`` is vLLM's (its ids and tokens are read); ``blocks`` its blocks in the
+    hidden-state cache group.
+    """
+    prompt = list(request.prompt_token_ids or [])
+    # With output tokens: the last one was sampled, never fed back, so has no state.
+    token_ids = list(request.all_token_ids)[:-1] if params.include_output_tokens else prompt
+    loss_spans = None
+    if params.loss_spans is not None:
+        try:
+            loss_spans = stored_loss_spans(params.loss_spans, len(prompt), len(token_ids))
+        except ValueError as exc:  # a bug of ours: the Extractor checks spans first
+            return WriteFailure(type="internal_error", message=str(exc))
+        if not any(end > start for start, end in loss_spans):
+            # The API let a prompt without supervised tokens through because generated
+            # ones would count, but the model stopped before one had states: refuse
+            # rather than store an all-zero mask.
+            message = (
+                "loss: no token is supervised: the prompt has none and generation "
+                f"stopped after {len(request.all_token_ids) - len(prompt)} token(s), "
+                "none of which has states (the last sampled token never does)"
+            )
+            return WriteFailure(type="invalid_request", message=message)
+    layer_index = None
+    if params.layers is not None:
+        try:
+            layer_index = layer_positions(params.layers, served.layer_ids)
+        except ValueError as exc:  # a bug of ours, as above
+            return WriteFailure(type="internal_error", message=str(exc))
+    layer_ids = served.layer_ids if params.layers is None else tuple(params.layers)
+    return PendingSave(
+        req_id=request.request_id,
+        key=params.key,
+        token_ids=tuple(token_ids),
+        block_ids=tuple(blocks),
+        metadata=object_metadata(served.model, layer_ids, served.dtype, params.metadata),
+        layer_ids=layer_ids,
+        codec=params.codec,
+        layer_index=None if layer_index is None else tuple(layer_index),
+        loss_spans=None if loss_spans is None else tuple(loss_spans),
+    )
 
 
 def stored_loss_spans(

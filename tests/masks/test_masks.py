@@ -1,6 +1,6 @@
 """Loss masks on the real chat templates of three model families, no engine.
 
-The templates (tests/masks_templates/) are loaded into the tiny test tokenizer, with the
+The templates (tests/masks/templates/) are loaded into the tiny test tokenizer, with the
 special tokens they use added. Each test states the supervised text a trainer expects
 (the assistant's content and its end-of-turn tokens as the template writes them) and
 compares it with the tokens the mask selects, decoded.
@@ -16,7 +16,7 @@ import pytest
 from service import masks
 from service.engine.tiny_models import make_tokenizer
 
-TEMPLATES = Path(__file__).parent / "masks_templates"
+TEMPLATES = Path(__file__).parent / "templates"
 SPECIAL = [
     "<|start_header_id|>",
     "<|end_header_id|>",

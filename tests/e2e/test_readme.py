@@ -17,16 +17,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from service.demo_model import DEMO_DIR
+from tests.support.processes import wait_ready as support_wait_ready
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 PORT = 8000  # the README's
 
@@ -153,16 +152,10 @@ def clean_environment(clone: Path) -> dict[str, str]:
 
 
 def wait_ready(proc: subprocess.Popen[bytes], log: Path, limit_s: float = 600) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"make serve exited:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"make serve never became ready:\n{log.read_text()[-3000:]}")
+    try:
+        support_wait_ready(f"http://127.0.0.1:{PORT}", proc, log, limit_s)
+    except AssertionError as error:
+        raise AssertionError(f"make serve: {error}\n{log.read_text()[-3000:]}") from None
 
 
 def hsx_process(make: subprocess.Popen[bytes]) -> Any:

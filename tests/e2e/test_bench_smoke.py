@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import engine_bench
-from benchmarks.run import timed
+from benchmarks.common import timed
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -1,10 +1,15 @@
-"""vLLM's own request front end, built on hsx's engine: renderer, render and tokenize.
+"""vLLM's own request front end for the served model: the model check, render, tokenize.
 
 The OpenAI-compatible routes parse with vLLM's protocol models and render prompts
 (chat templates, tools, truncation) with vLLM's ``OnlineRenderer`` and
 ``ServingRender``, the objects ``vllm serve`` itself uses, so hsx's token ids cannot
 drift from vLLM's. Only the serving path differs: prompts go through hsx's extractor,
 which answers once every object is durable.
+
+:class:`VllmFrontEnd` is the ``front_end`` of ``service.api.extractor.ExtractorLike``.
+The extractor builds it on its engine's model config and renderer; the same
+construction without an engine (:meth:`VllmFrontEnd.without_engine`, as vLLM's
+GPU-less render server does it) serves tests of the routes that need no engine.
 """
 
 from __future__ import annotations
@@ -12,21 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
-
 
 @dataclass(frozen=True)
 class VllmFrontEnd:
-    """vLLM's serving helpers for one engine, as ``vllm serve`` builds them."""
+    """vLLM's serving helpers for one model, as ``vllm serve`` builds them."""
 
     registry: Any  # OpenAIModelRegistry: the served model name, its check (404)
     renderer: Any  # OnlineRenderer: prompts of /v1/completions and /v1/chat/completions
-    render: Any  # ServingRender: /v1/*/render
+    serving_render: Any  # ServingRender: /v1/*/render
     tokenization: Any  # ServingTokenization: /tokenize, /detokenize
 
     @classmethod
-    def build(cls, engine: Any, model_name: str) -> VllmFrontEnd:
-        """The helpers for ``engine`` (an ``AsyncLLM``) serving ``model_name``.
+    def build(cls, model_config: Any, renderer: Any, model_name: str) -> VllmFrontEnd:
+        """The helpers for a model (``model_config``, vLLM's ``renderer`` of it) served
+        as ``model_name``.
 
         The same construction as vLLM's render server (``init_render_app_state``)
         with ``vllm serve``'s defaults (the model's own chat template, no tool or
@@ -40,23 +44,41 @@ class VllmFrontEnd:
         from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
         from vllm.renderers.online_renderer import OnlineRenderer
 
-        model_config = engine.model_config
         registry = OpenAIModelRegistry(
             model_config=model_config,
             base_model_paths=[BaseModelPath(name=model_name, model_path=model_config.model)],
         )
-        renderer = OnlineRenderer(
+        online = OnlineRenderer(
             model_config=model_config,
-            renderer=engine.renderer,
+            renderer=renderer,
             request_logger=None,
             chat_template=None,
             chat_template_content_format="auto",
             enable_auto_tools=True,
         )
         tokenization = ServingTokenization(
-            registry, renderer, chat_template=None, chat_template_content_format="auto"
+            registry, online, chat_template=None, chat_template_content_format="auto"
         )
-        return cls(registry, renderer, ServingRender(registry, renderer), tokenization)
+        return cls(registry, online, ServingRender(registry, online), tokenization)
+
+    @classmethod
+    def without_engine(
+        cls, model: str, model_name: str, *, max_model_len: int, dtype: str = "float32"
+    ) -> VllmFrontEnd:
+        """The helpers for ``model`` (a directory with its config and tokenizer; no
+        weights are read) with no engine, as vLLM's GPU-less render server builds them."""
+        from vllm.config import VllmConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.renderers import renderer_from_config
+
+        args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len)
+        model_config = args.create_model_config()
+        renderer = renderer_from_config(VllmConfig(model_config=model_config))
+        return cls.build(model_config, renderer, model_name)
+
+    async def check_model(self, model: str | None) -> Any:
+        """None when ``model`` is the served one (or not named), else vLLM's 404."""
+        return await self.registry.check_model(model)
 
     async def completion_token_ids(self, body: Any) -> list[list[int]] | Any:
         """Each prompt's token ids, rendered as ``vllm serve``'s ``/v1/completions``
@@ -84,6 +106,22 @@ class VllmFrontEnd:
             raise ValueError(f"Expected exactly 1 engine prompt, got {len(engine_inputs)}")
         return self._token_ids(engine_inputs[0])
 
+    async def render_chat(self, body: Any, request: Any) -> Any:
+        """``/v1/chat/completions/render``: vLLM's GenerateRequest or ErrorResponse."""
+        return await self.serving_render.render_chat_request(body, request)
+
+    async def render_completion(self, body: Any, request: Any) -> Any:
+        """``/v1/completions/render``: vLLM's GenerateRequests or ErrorResponse."""
+        return await self.serving_render.render_completion_request(body, request)
+
+    async def tokenize(self, body: Any, request: Any) -> Any:
+        """``/tokenize``: vLLM's TokenizeResponse or ErrorResponse."""
+        return await self.tokenization.create_tokenize(body, request)
+
+    async def detokenize(self, body: Any, request: Any) -> Any:
+        """``/detokenize``: vLLM's DetokenizeResponse or ErrorResponse."""
+        return await self.tokenization.create_detokenize(body, request)
+
     def _token_ids(self, engine_input: Any) -> list[int]:
         from vllm.renderers.inputs.preprocess import extract_prompt_components
 
@@ -91,14 +129,3 @@ class VllmFrontEnd:
         if not token_ids:  # ServingRender's words for the same case
             raise ValueError("No token_ids rendered")
         return list(token_ids)
-
-
-def front_end(request: Request) -> VllmFrontEnd:
-    """The app's front end, built on first use (the engine starts in the lifespan)."""
-    app_state = request.app.state
-    built: VllmFrontEnd | None = getattr(app_state, "hsx_vllm_front_end", None)
-    if built is None:
-        extractor = app_state.hsx.extractor
-        built = VllmFrontEnd.build(extractor.engine, app_state.hsx.model_name)
-        app_state.hsx_vllm_front_end = built
-    return built

@@ -5,8 +5,9 @@ empty messages, many large bodies at once, long loss masks, answers larger than 
 Each test asserts the answer (status, error shape, field), the server's wall and CPU time,
 and its RSS: the peak, and that it comes back within ``RSS_MARGIN`` of where it was
 (memory never given back fails), while a normal client keeps extracting and every one of
-its requests must succeed. The server, its keys and helpers are ``tests.test_security``'s
-(the tiny model, max_model_len 2048, an 8 s deadline, the default limits).
+its requests must succeed. The server (shared by the security modules, ``conftest.py``),
+its keys and helpers are ``harness.py``'s (the tiny model, max_model_len 2048, an 8 s
+deadline, the default limits).
 """
 
 from __future__ import annotations
@@ -24,18 +25,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_security import (
+from tests.e2e.security.harness import (
     MIB,
     Server,
     auth,
     cpu_s,
     normal_client,
     rss_peak,
-    server,
     wait_for,
 )
 
-__all__ = ["server"]  # this module's own hsx serve: tests.test_security's fixture
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 #: How far above its level before a request the server's RSS may stay afterwards.

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_serve import link_demo_model
+from tests.support.processes import SERVE, hsx_env, link_demo_model
 
 
 @dataclass
@@ -35,11 +35,12 @@ class Run:
 
 
 def hsx_serve(cwd: Path, env: dict[str, str], timeout: float = 60) -> Run:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    """``hsx serve`` in ``cwd`` with only ``env``'s settings (port 0 unless given), run
+    to its exit: each case here fails to start."""
     proc = subprocess.run(
-        [sys.executable, "-m", "service", "serve"],
+        SERVE,
         cwd=cwd,
-        env={**clean, "HSX_SERVER__PORT": "0", **env},
+        env=hsx_env({"HSX_SERVER__PORT": "0", **env}),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -190,7 +191,7 @@ def test_demo_model_command_is_idempotent(tmp_path: Path, demo_model: Path) -> N
     out = tmp_path / "demo"
     out.symlink_to(demo_model, target_is_directory=True)
     before = {p.name: p.stat().st_mtime_ns for p in demo_model.iterdir()}
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HSX_")}, **NO_REGISTRY}
+    env = hsx_env(NO_REGISTRY)
     done = subprocess.run(
         [sys.executable, "-m", "service", "demo-model", "--out", str(out)],
         env=env,

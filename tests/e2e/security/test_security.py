@@ -1,5 +1,6 @@
 """Safe to expose: the attacks that once cost gigabytes or left objects behind, replayed
-against a real ``hsx serve`` (one process for the module, the tiny model).
+against a real ``hsx serve`` (the tiny model; one process shared with the other security
+modules, ``conftest.py``).
 
 Each test asserts what a user sees and the resource it bounds (server RSS and CPU from
 psutil), while a normal client keeps extracting and every one of its requests must
@@ -14,222 +15,33 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
 import resource
 import selectors
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
+from tests.e2e.security.harness import (
+    HEADER_TIMEOUT_S,
+    KEYS,
+    LONG_LENGTHS,
+    MIB,
+    UNAUTHENTICATED_CPU_S,
+    Server,
+    auth,
+    cpu_s,
+    long_body,
+    normal_client,
+    rss_peak,
+    wait_for,
+)
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-MIB = 1024 * 1024
-KEYS = {
-    "normal": "normal-key-0123456789abcdef",
-    "gone": "gone-key-0123456789abcdef",
-    "slow": "slow-key-0123456789abcdef",
-    "shut": "shut-key-0123456789abcdef",
-}
-HEADER_TIMEOUT_S = 3.0
-DEADLINE_S = 8.0
-# Server CPU an attack without a key may cost (the normal client's extracts included):
-# its bytes are read off the socket and dropped, never parsed.
-UNAUTHENTICATED_CPU_S = 2.0
-GRACE_S = 1
-#: Prefill tokens a prompt gets per engine step (vLLM's long_prefill_token_threshold).
-CHUNK = 4
-#: Prompt lengths of a long request: 64 prompts whose prefill ends (and whose object
-#: lands) one every ~7 steps, from the 2nd step to the 450th: on any machine speed some
-#: land within the first seconds and the last long after the deadline.
-LONG_LENGTHS = [8 + 28 * i for i in range(64)]
-
-
-def auth(namespace: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS[namespace]}"}
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    root: Path
-    log: Path
-
-    @property
-    def host_port(self) -> tuple[str, int]:
-        host, port = self.url.removeprefix("http://").split(":")
-        return host, int(port)
-
-    @property
-    def process(self) -> psutil.Process:
-        return psutil.Process(self.proc.pid)
-
-    def objects(self, namespace: str) -> set[str]:
-        base = self.root / "hsx" / namespace
-        if not base.exists():
-            return set()
-        return {str(p.relative_to(self.root)) for p in base.rglob("*.safetensors")}
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        pattern = re.escape(name) + (r"\{" + re.escape(wanted) + r"\}" if labels else "")
-        found = re.search(rf"^{pattern} (\S+)$", text, re.MULTILINE)
-        return float(found.group(1)) if found else 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    base = tmp_path_factory.mktemp("security")
-    keys = base / "keys.txt"
-    keys.write_text("".join(f"{ns}:{key}\n" for ns, key in KEYS.items()))
-    port = free_port()
-    env = {
-        **os.environ,
-        "HSX_ENGINE__MODEL": str(model_dir("llama")),
-        "HSX_ENGINE__DTYPE": "float32",
-        "HSX_ENGINE__MAX_MODEL_LEN": "2048",
-        "HSX_ENGINE__MAX_NUM_BATCHED_TOKENS": "4096",
-        "HSX_ENGINE__CPU_KVCACHE_SPACE_GIB": "1",
-        "HSX_ENGINE__EXTRA_ARGS": json.dumps(
-            {"enforce_eager": True, "long_prefill_token_threshold": CHUNK, "max_num_seqs": 512}
-        ),
-        "HSX_STORAGE__URL": str(base / "objects"),
-        "HSX_SERVER__API_KEYS_FILE": str(keys),
-        "HSX_SERVER__HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
-        "HSX_SERVER__BODY_TIMEOUT_S": "5",
-        "HSX_SERVER__KEEP_ALIVE_TIMEOUT_S": "2",
-        "HSX_SERVER__SHUTDOWN_GRACE_S": str(GRACE_S),
-        "HSX_LIMITS__REQUEST_TIMEOUT_S": str(DEADLINE_S),
-    }
-    log = base / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(port)],
-            cwd=base,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    running = Server(proc, f"http://127.0.0.1:{port}", base / "objects", log)
-    try:
-        wait_for(lambda: _ready(running), 240, "hsx serve did not become ready")
-        yield running
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-
-
-def _ready(server: Server) -> bool:
-    assert server.proc.poll() is None, server.log.read_text()[-3000:]
-    try:
-        return httpx.get(f"{server.url}/ready", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def wait_for(condition: Any, limit_s: float, message: str) -> float:
-    """Seconds until ``condition()`` holds; fails past ``limit_s``."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < limit_s, message
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
-@dataclass
-class NormalClient:
-    """Extracts one short prompt after another; every reply must be a 200."""
-
-    url: str
-    statuses: list[int] = field(default_factory=list)
-    latencies: list[float] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        body = {"prompts": [{"token_ids": [5, 6, 7, 8, 9]}]}
-        with httpx.Client(base_url=self.url, timeout=60, headers=auth("normal")) as client:
-            while not self.stop.is_set():
-                started = time.monotonic()
-                self.statuses.append(client.post("/extract", json=body).status_code)
-                self.latencies.append(time.monotonic() - started)
-
-
-@contextlib.contextmanager
-def normal_client(server: Server) -> Iterator[NormalClient]:
-    client = NormalClient(server.url)
-    thread = threading.Thread(target=client.run, daemon=True)
-    thread.start()
-    try:
-        yield client
-    finally:
-        client.stop.set()
-        thread.join(60)
-    assert client.statuses, "the normal client never finished a request"
-    assert set(client.statuses) == {200}, client.statuses
-    print(
-        f"normal client: {len(client.statuses)} extracts, all 200, "
-        f"slowest {max(client.latencies):.2f} s"
-    )
-
-
-@contextlib.contextmanager
-def rss_peak(server: Server) -> Iterator[dict[str, int]]:
-    """Samples the server's RSS every 20 ms: ``before``, ``peak`` and ``after``."""
-    process = server.process
-    seen = {"before": process.memory_info().rss, "peak": 0, "after": 0}
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            seen["peak"] = max(seen["peak"], process.memory_info().rss)
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield seen
-    finally:
-        stop.set()
-        thread.join(5)
-        seen["after"] = process.memory_info().rss
-        print(
-            f"server RSS: before {seen['before'] / MIB:.0f} MiB, peak {seen['peak'] / MIB:.0f}, "
-            f"after {seen['after'] / MIB:.0f}"
-        )
-
-
-def cpu_s(server: Server) -> float:
-    times = server.process.cpu_times()
-    return float(times.user + times.system)
-
-
-def long_body(namespace_seed: int) -> dict[str, Any]:
-    prompts = [
-        {"token_ids": [3 + (namespace_seed + i * 7 + j) % 500 for j in range(n)]}
-        for i, n in enumerate(LONG_LENGTHS)
-    ]
-    return {"prompts": prompts, "max_tokens": 1}
 
 
 def test_public_routes_are_quiet(server: Server) -> None:
@@ -485,58 +297,3 @@ def test_deadline_leaves_no_object(server: Server) -> None:
     assert other.status_code == 504
     assert max(seen) > 0  # some had landed before the deadline...
     assert server.objects("slow") == set()  # ...and none stayed
-
-
-def test_sigterm_past_grace_answers_503_and_leaves_only_reported_objects(server: Server) -> None:
-    """Last in the module: it stops the server."""
-    first = httpx.post(
-        f"{server.url}/extract", json={"prompts": [{"token_ids": [5, 6]}]}, headers=auth("shut")
-    )
-    assert first.status_code == 200
-    results: list[httpx.Response] = []
-
-    def long_request(seed: int) -> None:
-        results.append(
-            httpx.post(
-                f"{server.url}/extract", json=long_body(seed), headers=auth("shut"), timeout=120
-            )
-        )
-
-    threads = [threading.Thread(target=long_request, args=(10 + i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    # SIGTERM once the long requests' objects start to land: the grace period ends
-    # (cancelling them) long before they or their deadline could.
-    wait_for(
-        lambda: server.metric("hsx_extract_prompts_in_flight") >= 3 * len(LONG_LENGTHS),
-        60,
-        "the long requests never got in flight",
-    )
-    wait_for(lambda: len(server.objects("shut")) >= 2, 60, "no object of the long requests landed")
-    landed = len(server.objects("shut")) - 1
-    server.proc.send_signal(signal.SIGTERM)
-    for thread in threads:
-        thread.join(120)
-    assert server.proc.wait(120) == 0
-    log = server.log.read_text()
-    assert "timeout graceful shutdown exceeded" in log  # the grace period did pass
-    assert [r.status_code for r in results] == [503] * 3, [r.text for r in results]
-    for response in results:
-        assert response.json() == {
-            "error": {
-                "type": "unavailable",
-                "message": "the server shut down before the request finished; its work was aborted",
-            }
-        }
-    assert "Traceback" not in log
-    assert "CancelledError" not in log
-    debug_log = (server.root.parent / "var/log/hsx-debug.log").read_text()  # every record
-    assert "Traceback" not in debug_log
-    assert "Exception in ASGI application" not in debug_log
-    received = {
-        o["key"] for r in [first, *results] if r.status_code == 200 for o in r.json()["objects"]
-    }
-    assert server.objects("shut") == received
-    print(f"SIGTERM: {landed}+ objects had landed; the reported one stayed, all others removed")
-    assert KEYS["shut"] not in log
-    assert 'POST "/extract" 503 shut ' in log  # the access log saw them

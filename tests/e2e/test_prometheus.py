@@ -14,9 +14,7 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_serve import link_demo_model, serving
+from tests.support.processes import free_port, hsx_serve, link_demo_model, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/helm/hsx/dashboards/hsx-overview.json"
 JOB = "hsx"
 # Grafana's $__rate_interval is at least four scrape intervals; one minute spans the
@@ -37,43 +35,43 @@ PROMPTS = [{"token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
 REQUESTS = 3
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def wait_for(check: Any, what: str, limit_s: float = 300) -> Any:
     """``check()`` until it returns something truthy (polled, no fixed sleeps)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            found = check()
-        except httpx.TransportError:
-            found = None
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(
+        check, limit_s, f"timed out waiting for {what}", interval_s=0.5,
+        ignore=(httpx.TransportError,),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def hsx(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[str]:
-    """``hsx serve`` with the demo model, in a clean environment; SIGTERM at the end."""
-    cwd = tmp_path_factory.mktemp("hsx")
-    link_demo_model(cwd, demo_model)
-    with serving(cwd, {}) as (proc, url):
-        yield url
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
-
-
-@pytest.fixture(scope="module")
-def prometheus(hsx: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Debian's Prometheus on 127.0.0.1, scraping ``hsx`` every second."""
+def prometheus_binary() -> str:
+    """Debian's ``prometheus``, or a skip: asked for before hsx starts, so a machine
+    without it does not start a server for nothing."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("no `prometheus` binary (Debian package `prometheus`; `make install` adds it)")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def hsx(
+    prometheus_binary: str, tmp_path_factory: pytest.TempPathFactory, demo_model: Path
+) -> Iterator[str]:
+    """``hsx serve`` with the demo model, in a clean environment; SIGTERM at the end."""
+    cwd = tmp_path_factory.mktemp("hsx")
+    link_demo_model(cwd, demo_model)
+    with hsx_serve(cwd) as served:
+        yield served.url
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(120)
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    prometheus_binary: str, hsx: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """Debian's Prometheus on 127.0.0.1, scraping ``hsx`` every second."""
+    binary = prometheus_binary
     root = tmp_path_factory.mktemp("prometheus")
     target = hsx.removeprefix("http://")
     (root / "prometheus.yml").write_text(

@@ -1,18 +1,13 @@
-"""``hsx serve`` as users run it: a real process, the demo model, SIGTERM mid-request."""
+"""``hsx serve`` as users run it: a real process, the demo model, SIGTERM mid-request; a
+dead engine and a killed server (on the tiny model)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +15,12 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from service.demo_model import DEMO_DIR
 from service.serve import DrainingServer
+from tests.support.processes import hsx_serve, link_demo_model, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 KEY = "serve-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def link_demo_model(cwd: Path, demo_model: Path) -> None:
-    """The demo model where ``hsx serve`` run in ``cwd`` looks for it: the machine's
-    converted copy, linked (converting it again for every server would cost 30 s)."""
-    (cwd / DEMO_DIR).parent.mkdir(parents=True, exist_ok=True)
-    (cwd / DEMO_DIR).symlink_to(demo_model, target_is_directory=True)
 
 
 @pytest.fixture(autouse=True)
@@ -40,60 +28,15 @@ def demo_model_here(tmp_path: Path, demo_model: Path) -> None:
     link_demo_model(tmp_path, demo_model)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 600) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "hsx serve exited during start-up"
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("hsx serve did not become ready")
-
-
 def wait_in_flight(url: str, prompts: int, limit_s: float = 30) -> None:
     """Until the server has admitted ``prompts`` prompts that have not finished."""
-    deadline = time.monotonic() + limit_s
     pattern = re.compile(r"^hsx_extract_prompts_in_flight (\S+)$", re.MULTILINE)
-    while time.monotonic() < deadline:
+
+    def admitted() -> bool:
         found = pattern.search(httpx.get(f"{url}/metrics", timeout=5).text)
-        if found and float(found.group(1)) >= prompts:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the requests never got in flight")
+        return bool(found and float(found.group(1)) >= prompts)
 
-
-@contextlib.contextmanager
-def serving(cwd: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``python -m service serve`` in ``cwd`` (no model: the demo), until ready; killed
-    on the way out if still running. Its output goes to ``cwd/serve.log``."""
-    port = free_port()
-    # hsx's own defaults: the demo model and CPU memory settings need no variables.
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HSX_")}, **env}
-    with (cwd / "serve.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(port)],
-            cwd=cwd,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(url, proc)
-            yield proc, url
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+    wait_until(admitted, limit_s, "the requests never got in flight", interval_s=0.05)
 
 
 def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
@@ -103,7 +46,8 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
         "HSX_SERVER__API_KEYS": f"team-x:{KEY}",
         "HSX_LOG_JSON": "true",
     }
-    with serving(tmp_path, env) as (proc, url):
+    with hsx_serve(tmp_path, env) as served:
+        proc, url = served.proc, served.url
         # No model configured: the demo model, under its directory's name.
         models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
         assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
@@ -141,10 +85,21 @@ def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
         assert list(load_file(path)["hidden_states"].shape) == obj["shape"]
 
 
-def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
+def tiny_model(model_dir: Any) -> dict[str, str]:
+    """The tiny test model instead of the demo, for tests about processes rather than
+    the model; eager, as ``hsx serve`` runs the demo (compiling costs start-up time)."""
+    return {
+        "HSX_ENGINE__MODEL": str(model_dir("llama")),
+        "HSX_ENGINE__DTYPE": "float32",
+        "HSX_ENGINE__EXTRA_ARGS": json.dumps({"enforce_eager": True}),
+    }
+
+
+def test_dead_engine_makes_health_and_extract_503(tmp_path: Path, model_dir: Any) -> None:
     import psutil
 
-    with serving(tmp_path, {}) as (proc, url):
+    with hsx_serve(tmp_path, tiny_model(model_dir)) as served:
+        proc, url = served.proc, served.url
         assert httpx.get(f"{url}/health").status_code == 200
         for child in psutil.Process(proc.pid).children(recursive=True):
             if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
@@ -162,12 +117,13 @@ def test_dead_engine_makes_health_and_extract_503(tmp_path: Path) -> None:
     assert "no API keys configured" in (tmp_path / "serve.log").read_text()
 
 
-def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path) -> None:
+def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_dir: Any) -> None:
     # SIGKILL, as an OOM kill or a drain past its grace period would: no handler runs,
     # so only the engine's own watch on its parent can end the EngineCore and worker.
     import psutil
 
-    with serving(tmp_path, {}) as (proc, _url):
+    with hsx_serve(tmp_path, tiny_model(model_dir)) as served:
+        proc = served.proc
         engine = psutil.Process(proc.pid).children(recursive=True)
         assert any("EngineCore" in " ".join(child.cmdline()) for child in engine)
         proc.kill()

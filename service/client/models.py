@@ -1,0 +1,162 @@
+"""The response bodies of hsx's HTTP API, shared by the server and its clients.
+
+The server declares its responses with these models (``service.api.schemas``
+re-exports them), and the clients parse answers into them, so one definition is the
+wire format. They import only pydantic: a client needs neither vLLM nor FastAPI.
+
+Each model also reads like the JSON it stands for (``answer["objects"][0]["key"]``),
+so scripts written when ``HsxClient.extract`` returned a dict keep working.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    """A response body that can also be read as its JSON object."""
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in type(self).model_fields:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The field ``name``, or ``default`` for a name that is not a field."""
+        return getattr(self, name) if name in type(self).model_fields else default
+
+
+class StoredObject(_Body):
+    """One durable object."""
+
+    index: int = Field(description="Position of the prompt in the request.")
+    key: str
+    uri: str
+    num_tokens: int
+    shape: list[int] = Field(description="[num_tokens, num_layers, hidden_size]")
+    bytes: int = Field(description="Stored size: the encoded object's bytes.")
+    sha256: str
+    num_loss_tokens: int | None = Field(None, description="Supervised tokens (with loss).")
+    status: Literal["created", "found"] = Field(
+        "created", description="found: a prompt with this custom_id was stored before."
+    )
+    codec: str = Field("raw", description="How the object stores its states.")
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ExtractResponse(_Body):
+    """Every object listed here was durable when the response was sent."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": "ext-0c6f9d0e2a4b4f0f8b1c3d5e7f9a1b2c",
+                    "model": "tiny-llama",
+                    "layer_ids": [2, 2, 1, 4],
+                    "dtype": "float32",
+                    "hidden_size": 128,
+                    "objects": [
+                        {
+                            "index": 0,
+                            "key": "hsx/default/2026/11/21/3f0c....safetensors",
+                            "uri": "file:///srv/objects/hsx/default/2026/11/21/3f0c....safetensors",
+                            "num_tokens": 6,
+                            "shape": [6, 3, 128],
+                            "bytes": 9392,
+                            "sha256": "9b7c...",
+                            "codec": "raw",
+                        }
+                    ],
+                    "codecs": ["raw", "fp8", "bf16", "lossless"],
+                    "usage": {"prompt_tokens": 6, "total_tokens": 7},
+                }
+            ]
+        }
+    )
+
+    id: str
+    model: str
+    layer_ids: list[int] = Field(description="The layer ids the objects hold.")
+    dtype: str
+    hidden_size: int
+    objects: list[StoredObject]
+    codecs: list[str] = Field(description="The codecs this server offers.")
+    usage: Usage
+
+
+class ErrorDetail(_Body):
+    type: str
+    message: str
+    field: str | None = None
+    index: int | None = None
+
+
+class ErrorBody(_Body):
+    """The shape of every error response."""
+
+    error: ErrorDetail
+
+
+class PromptOutcome(_Body):
+    """One prompt of a partly failed request: its key if written, else why not."""
+
+    index: int
+    key: str | None = None
+    error: ErrorDetail | None = None
+
+
+class PartialFailureBody(ErrorBody):
+    """A 502/503 after some prompts' objects could not be written."""
+
+    objects: list[PromptOutcome]
+
+
+class ModelCard(_Body):
+    """One served model: OpenAI's model object, plus what its objects hold."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hsx"
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    max_model_len: int
+    storage_backend: str
+    codecs: list[str] = Field(description="Codecs a request may ask for (`codec`).")
+    default_codec: str = Field(description="The codec of requests that name none.")
+    tokenizer_sha256: str | None = Field(None, description="SHA-256 of the tokenizer's JSON.")
+    chat_template_sha256: str | None = Field(None, description="SHA-256 of the chat template.")
+
+
+class ModelList(_Body):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Version(_Body):
+    version: str
+    vllm: str
+
+
+class Status(_Body):
+    status: str
+    detail: str | None = None
+
+
+class Tokenized(_Body):
+    """The part of vLLM's ``/tokenize`` answer a client reads: the token count."""
+
+    model_config = ConfigDict(extra="allow")
+
+    count: int
+    max_model_len: int | None = None
+    tokens: list[int] = Field(default_factory=list)
