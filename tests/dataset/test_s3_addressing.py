@@ -144,7 +144,8 @@ def test_a_path_style_store_holds_the_objects_and_the_runs_state(
 
     # The control: a client that ignores the settings cannot reach this bucket at all.
     # A new session: boto3's default one may have read another AWS config file already.
-    bare = boto3.session.Session().client("s3", endpoint_url=path_only_s3.endpoint,
-                                          config=Config(retries={"total_max_attempts": 1}))  # fmt: skip
+    session = boto3.session.Session()
+    one_try = Config(retries={"total_max_attempts": 1})
+    bare = session.client("s3", endpoint_url=path_only_s3.endpoint, config=one_try)
     with pytest.raises(EndpointConnectionError, match=f"{path_only_s3.bucket}.localhost"):
         bare.get_object(Bucket=path_only_s3.bucket, Key="runs/x/job.json")
