@@ -127,7 +127,9 @@ class ServerThread:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="session")
+# Package scope: the engine goes when tests/api's last test is done, instead of idling
+# (and polling the CPU) through every later module of the session.
+@pytest.fixture(scope="package")
 def local_engine(
     model_dir: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerThread]:
@@ -152,7 +154,7 @@ def local_engine(
     thread.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def local_url(local_engine: ServerThread) -> str:
     """The default app: keys for team-a (two, rotation) and team-b."""
     return local_engine.serve()

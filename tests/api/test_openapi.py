@@ -32,7 +32,7 @@ def test_document_has_examples_and_error_shapes(openapi_document: dict[str, Any]
     assert openapi_document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def api_schema(local_url: str) -> Any:
     return schemathesis.openapi.from_url(f"{local_url}/openapi.json", headers=AUTH_A)
 
