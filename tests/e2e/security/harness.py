@@ -107,20 +107,30 @@ def wait_for(condition: Any, limit_s: float, message: str) -> float:
 
 @dataclass
 class NormalClient:
-    """Extracts one short prompt after another; every reply must be a 200."""
+    """Extracts one short prompt after another, at least one of them while the attack
+    runs; every reply must be a 200. A failed request is kept as its exception's text."""
 
     url: str
-    statuses: list[int] = field(default_factory=list)
+    statuses: list[int | str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
+    started: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
         body = {"prompts": [{"token_ids": [5, 6, 7, 8, 9]}]}
         with httpx.Client(base_url=self.url, timeout=60, headers=auth("normal")) as client:
-            while not self.stop.is_set():
+            # One request at least, even when the attack is over before this thread runs
+            # (20 refusals from the headers alone can take less than a thread's start).
+            while True:
                 started = time.monotonic()
-                self.statuses.append(client.post("/extract", json=body).status_code)
+                self.started.set()
+                try:
+                    self.statuses.append(client.post("/extract", json=body).status_code)
+                except httpx.HTTPError as exc:
+                    self.statuses.append(f"{type(exc).__name__}: {exc}")
                 self.latencies.append(time.monotonic() - started)
+                if self.stop.is_set():
+                    return
 
 
 @contextlib.contextmanager
@@ -128,6 +138,7 @@ def normal_client(server: Server) -> Iterator[NormalClient]:
     client = NormalClient(server.url)
     thread = threading.Thread(target=client.run, daemon=True)
     thread.start()
+    assert client.started.wait(30), "the normal client did not start"
     try:
         yield client
     finally:
