@@ -54,10 +54,12 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff format service tests benchmarks
 	$(VENV)/bin/ruff check --fix service tests benchmarks
 
-# The whole suite, the engine tests included; the slowest tests are listed at the end,
-# so a test that grows past its share of the time budget shows.
+# The whole suite, the engine tests included, on TEST_WORKERS pytest-xdist workers
+# (tests sharing an engine stay on one worker: tests/support/schedule.py). The slowest
+# tests are listed at the end, so a test that grows past its share of the budget shows.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no vLLM engine.
 test-fast: $(STAMP)

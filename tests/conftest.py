@@ -86,3 +86,28 @@ def demo_model() -> Path:
     from service import demo_model as demo
 
     return demo.prepare(DEMO_MODEL)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.support.schedule import assign_groups
+
+    assign_groups(config, items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.support.schedule import send_worker_results
+
+    send_worker_results(session)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    from tests.support.schedule import gather_worker_results
+
+    gather_worker_results(node)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests.support.schedule import print_gathered
+
+    print_gathered(terminalreporter)

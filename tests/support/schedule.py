@@ -1,0 +1,87 @@
+"""How ``make test`` shares the suite between two pytest-xdist workers.
+
+Most of the suite's time is vLLM starting: the engine core and its worker each import
+vLLM and torch in a fresh process, one after the other, on one core. Two workers keep
+both cores busy. Tests that share an engine (a module's fixture, ``tests/api``'s
+package fixture, the security server) must stay on one worker, so every test gets an
+``xdist_group``: its module by default, a whole package where a fixture spans it, the
+test alone where a module's tests share nothing costly. Heavy groups go first, so the
+last minutes are not one long group on one worker while the other idles.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+#: Path prefixes that form one group (their tests share a fixture wider than a module).
+PACKAGE_GROUPS = ("tests/api/", "tests/e2e/security/")
+#: Modules whose tests share nothing costly: each test is its own group.
+PER_TEST = ("tests/e2e/test_bench_smoke.py",)
+#: Groups sent first, longest first (seconds of one run on 2 cores, rounded).
+HEAVY_FIRST = (
+    "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 260
+    "tests/dataset/test_dataset_e2e.py",  # 175
+    "tests/e2e/test_serve.py",  # 105
+    "tests/api/",  # 100
+    "tests/e2e/test_speculators.py",  # 80
+    "tests/e2e/test_readme.py",  # 70
+    "tests/e2e/test_bench_smoke.py::test_quick_engine_bench_gives_every_row",  # 65
+)
+
+
+def group_of(nodeid: str) -> str:
+    """The ``xdist_group`` name of the test ``nodeid``."""
+    path = nodeid.split("::", 1)[0]
+    for prefix in PACKAGE_GROUPS:
+        if path.startswith(prefix):
+            return prefix
+    if path in PER_TEST:
+        return nodeid
+    return path
+
+
+def _rank(item: pytest.Item) -> int:
+    group = group_of(item.nodeid)
+    for rank, heavy in enumerate(HEAVY_FIRST):
+        if group == heavy or group.startswith(heavy):
+            return rank
+    return len(HEAVY_FIRST)
+
+
+def assign_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each item with its group; under xdist, put the heavy groups first (a stable
+    sort, so the order inside a group, which some modules rely on, is kept)."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
+    if hasattr(config, "workerinput"):
+        items.sort(key=_rank)
+
+
+#: What the workers measured and the controller prints: tests.engine.checks.WORST merged.
+GATHERED_WORST: dict[str, float] = {}
+
+
+def send_worker_results(session: pytest.Session) -> None:
+    """On an xdist worker: hand the worst relative errors it saw to the controller (the
+    engine tests' summary line would otherwise print in a worker nobody reads)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is None:
+        return
+    import sys
+
+    checks = sys.modules.get("tests.engine.checks")  # only where engine tests ran
+    workeroutput["hsx_worst"] = dict(getattr(checks, "WORST", {}))
+
+
+def gather_worker_results(node: object) -> None:
+    """On the controller: merge one finished worker's results."""
+    for model, error in getattr(node, "workeroutput", {}).get("hsx_worst", {}).items():
+        GATHERED_WORST[model] = max(GATHERED_WORST.get(model, 0.0), error)
+
+
+def print_gathered(terminalreporter: object) -> None:
+    """On the controller: the worst relative errors, as a serial run prints them."""
+    for model, error in sorted(GATHERED_WORST.items()):
+        terminalreporter.write_line(  # type: ignore[attr-defined]
+            f"hsx: worst relative error vs transformers, {model}: {error:.2e}"
+        )
