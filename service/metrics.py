@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from service.storage.base import StorageOp
 
 if TYPE_CHECKING:
-    from service.engine.wire import Completion
+    from service.engine.wire import Completion, StoredObject
 
 # Storage calls range from sub-millisecond local heads to multi-second S3 multiparts.
 STORAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -45,6 +45,10 @@ ERROR_KINDS = (
 )  # fmt: skip
 #: Why stored states were refused (``hsx_extract_invalid_states_total{reason}``).
 INVALID_STATES_REASONS = ("non_finite", "all_zero_layer")
+#: Weight of each new object in the token-norm gauge's moving average: about the last
+#: 20 objects count, so one odd prompt barely moves it and a real change shows within
+#: a few dozen requests.
+TOKEN_NORM_WEIGHT = 0.05
 
 
 class StorageMetrics:
@@ -134,6 +138,21 @@ class ExtractorMetrics(Collector):
         )
         for reason in INVALID_STATES_REASONS:
             self.invalid_states.labels(reason)
+        self.token_norm = Gauge(
+            "hsx_hidden_state_token_norm",
+            "Mean L2 norm of a token's stored hidden state, per layer id: an exponential "
+            f"moving average (weight {TOKEN_NORM_WEIGHT} per object, the first object sets "
+            "it) of each stored object's mean token norm, from the writer's statistics. "
+            "A step in it means the states changed (model, vLLM, layer ids).",
+            ["model", "layer"],
+            registry=self.registry,
+        )
+        self._norms: dict[str, float] = {}
+        self._model = ""
+
+    def name_model(self, name: str) -> None:
+        """The served model's name (the gauge's ``model`` label), once it is known."""
+        self._model = name
 
     def record(self, completion: Completion) -> None:
         """Apply one completion message: the worker's storage calls and writer state."""
@@ -144,6 +163,22 @@ class ExtractorMetrics(Collector):
         failure = completion.failure
         if failure is not None and failure.type == "invalid_hidden_states" and failure.reason:
             self.invalid_states.labels(failure.reason).inc()
+        if completion.stored is not None:
+            self.record_states(completion.stored)
+
+    def record_states(self, stored: StoredObject) -> None:
+        """Move the token-norm gauge by one stored object's statistics (none: no move)."""
+        stats = stored.statistics
+        if stats is None or not stats.num_tokens:
+            return
+        layers = stored.layer_ids or tuple(range(len(stats.sum_token_norm)))
+        for layer, total in zip(layers, stats.sum_token_norm, strict=True):
+            mean, label = total / stats.num_tokens, str(layer)
+            previous = self._norms.get(label)
+            if previous is not None:
+                mean = previous + TOKEN_NORM_WEIGHT * (mean - previous)
+            self._norms[label] = mean
+            self.token_norm.labels(self._model, label).set(mean)
 
     def collect(self) -> Iterable[Metric]:
         return self.registry.collect()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client.registry import Collector
 
 from service.codecs import Codec
+from service.engine.provenance import Provenance
 from service.engine.wire import Extraction, RequestParams
 from service.storage import Storage
 
@@ -86,6 +87,10 @@ class ExtractorLike(Protocol):
 
     def check_layers(self, layers: Sequence[int] | None) -> None:
         """ValueError unless ``layers`` is None or a subset of the served layer ids."""
+
+    @property
+    def provenance(self) -> Provenance:
+        """What makes this server's states (every object's ``hsx.provenance.*``)."""
 
     @property
     def tokenizer(self) -> Any:

@@ -38,7 +38,7 @@ from service.api.loss import PromptSpans
 from service.api.state import ApiState
 from service.codecs import ObjectHeader, read_object
 from service.engine.errors import IdempotencyConflictError, InvalidPromptError, StorageWriteError
-from service.engine.objects import RESERVED_KEYS
+from service.engine.objects import is_reserved
 from service.engine.wire import Extraction
 from service.storage import NotFoundError, Storage
 from service.storage.keys import idempotent_key
@@ -191,7 +191,7 @@ class _Check:
                 found.append(
                     f"other {name} ({options[name]!r} stored, {self.options[name]!r} asked)"
                 )
-        callers = {k: v for k, v in metadata.items() if k not in RESERVED_KEYS and k != REQUEST_KEY}
+        callers = {k: v for k, v in metadata.items() if not is_reserved(k) and k != REQUEST_KEY}
         if callers != dict(self.metadata):
             keys = sorted(
                 k

@@ -32,7 +32,7 @@ from service.api.prompts import (
 )
 from service.api.schemas import MAX_CUSTOM_ID, MetadataKey, MetadataValue
 from service.codecs import Codec
-from service.engine.objects import RESERVED_KEYS
+from service.engine.objects import reserved_keys
 from service.masks import LossMode
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ def hsx_extras(body: Any) -> HsxExtras:
     """hsx's extra fields a client sent; 400 naming the field if mistyped."""
     try:
         extras = HsxExtras.model_validate(body.model_extra or {})
-        reserved = sorted(RESERVED_KEYS & extras.metadata.keys())
+        reserved = reserved_keys(extras.metadata)
         if reserved:
             raise OpenAIError(400, f"metadata: keys {reserved} are reserved", param="metadata")
         return extras

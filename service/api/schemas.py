@@ -24,7 +24,7 @@ from service.client.models import (
     Version,
 )
 from service.codecs import Codec
-from service.engine.objects import RESERVED_KEYS
+from service.engine.objects import reserved_keys
 from service.masks import LossMode
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
@@ -131,7 +131,7 @@ class ExtractRequest(BaseModel):
 
     @model_validator(mode="after")
     def _no_reserved_metadata(self) -> ExtractRequest:
-        reserved = sorted(RESERVED_KEYS & self.metadata.keys())
+        reserved = reserved_keys(self.metadata)
         if reserved:
             raise ValueError(f"metadata keys {reserved} are reserved")
         return self

@@ -29,6 +29,26 @@ class _Body(BaseModel):
         return getattr(self, name) if name in type(self).model_fields else default
 
 
+class LayerStatistics(_Body):
+    """Sums over one object's stored states, per layer (lists follow ``shape[1]``), in
+    float64, computed by the server from the states it stored (before any lossy codec).
+
+    They add up across objects, so a run's statistics are the sums of its rows': mean
+    ``sum / (num_tokens * hidden_size)``, variance from ``sum_sq``, mean token norm
+    ``sum_token_norm / num_tokens``, fractions from the two counts.
+    """
+
+    num_tokens: int = Field(description="Token rows summed (the object's num_tokens).")
+    hidden_size: int
+    sum: list[float]
+    sum_sq: list[float]
+    sum_abs: list[float]
+    max_abs: list[float] = Field(description="Largest |value| among the finite values.")
+    sum_token_norm: list[float] = Field(description="Sum of the rows' L2 norms.")
+    zero_rows: list[int] = Field(description="Token rows that are all zeros.")
+    non_finite: list[int] = Field(description="Values that are NaN or infinite.")
+
+
 class StoredObject(_Body):
     """One durable object."""
 
@@ -44,6 +64,9 @@ class StoredObject(_Body):
         "created", description="found: a prompt with this custom_id was stored before."
     )
     codec: str = Field("raw", description="How the object stores its states.")
+    statistics: LayerStatistics | None = Field(
+        None, description="Per-layer sums of the stored states (hsx dataset's statistics)."
+    )
 
 
 class Usage(_Body):
@@ -135,6 +158,12 @@ class ModelCard(_Body):
     default_codec: str = Field(description="The codec of requests that name none.")
     tokenizer_sha256: str | None = Field(None, description="SHA-256 of the tokenizer's JSON.")
     chat_template_sha256: str | None = Field(None, description="SHA-256 of the chat template.")
+    provenance: dict[str, str] = Field(
+        default_factory=dict,
+        description="What made the states (hsx, vLLM and torch versions, the weights' "
+        "SHA-256, the layer-id convention...): the same strings every object's "
+        "__metadata__ carries under hsx.provenance.*.",
+    )
 
 
 class ModelList(_Body):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineSettings, Settings
+from service.engine.provenance import Provenance, build_provenance
 from service.engine.wire import ConnectorConfig
 from service.metrics import ExtractorMetrics
 from service.storage import Storage, open_storage, scheme_of
@@ -30,6 +31,7 @@ class ModelInfo:
     hidden_size: int
     hybrid: bool
     vocab_size: int = 0  # rows of the embedding; 0 when the config does not say
+    revision: str | None = None  # the checkpoint's (hub commit hash), when known
 
 
 def read_model_info(model: str, name: str | None = None) -> ModelInfo:
@@ -43,8 +45,14 @@ def read_model_info(model: str, name: str | None = None) -> ModelInfo:
         "mamba" in str(t) or "linear" in str(t) for t in (layer_types or ())
     )
     vocab = int(getattr(text, "vocab_size", 0) or 0)
+    revision = getattr(config, "_commit_hash", None) or getattr(config, "revision", None)
     return ModelInfo(
-        name or model, int(text.num_hidden_layers), int(text.hidden_size), hybrid, vocab
+        name or model,
+        int(text.num_hidden_layers),
+        int(text.hidden_size),
+        hybrid,
+        vocab,
+        str(revision) if revision else None,
     )
 
 
@@ -52,12 +60,14 @@ def read_model_info(model: str, name: str | None = None) -> ModelInfo:
 class Prepared:
     """What start-up proved before the engine starts, handed to it so nothing is read or
     opened twice: the model's config (``info``), the layer ids resolved against it, and
-    the storage opened (instrumented into ``metrics.storage``)."""
+    the storage opened (instrumented into ``metrics.storage``), and the server's
+    provenance (None: ``Extractor.start`` builds it, still before the engine)."""
 
     info: ModelInfo
     layer_ids: list[int]
     storage: Storage
     metrics: ExtractorMetrics
+    provenance: Provenance | None = None
 
 
 def prepare(settings: Settings, storage_factory: str | None = None) -> Prepared:
@@ -69,9 +79,10 @@ def prepare(settings: Settings, storage_factory: str | None = None) -> Prepared:
         raise ValueError("engine.model is not set")
     info = read_model_info(model)
     layer_ids = resolve_layer_ids(settings.engine.layer_ids, info.num_layers)
+    provenance = build_provenance(model, info.revision)
     metrics = ExtractorMetrics(scheme_of(settings.storage.url))
     storage = open_storage(settings.storage, metrics.storage, factory=storage_factory)
-    return Prepared(info, layer_ids, storage, metrics)
+    return Prepared(info, layer_ids, storage, metrics, provenance)
 
 
 def served_model_name(model: str) -> str:
@@ -107,6 +118,7 @@ def engine_args(
     layer_ids: list[int],
     completion_address: str,
     storage_factory: str | None = None,
+    provenance: Provenance | None = None,
 ) -> Any:
     """``AsyncEngineArgs`` running ``extract_hidden_states`` with our connector."""
     from vllm.config import KVTransferConfig
@@ -127,6 +139,7 @@ def engine_args(
         storage=settings.storage,
         max_bytes_in_flight=settings.limits.max_bytes_in_flight,
         storage_factory=storage_factory,
+        provenance=provenance,
     )
     return AsyncEngineArgs(
         model=engine.model,

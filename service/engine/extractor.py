@@ -27,6 +27,7 @@ from service.engine.errors import (
     InvalidStatesError,
 )
 from service.engine.front_end import VllmFrontEnd
+from service.engine.provenance import Provenance, build_provenance
 from service.engine.wire import Completion, Extraction, RequestParams
 from service.metrics import ExtractorMetrics
 from service.storage import Storage
@@ -50,8 +51,11 @@ class Extractor:
         info: ModelInfo,
         layer_ids: list[int],
         scratch: tempfile.TemporaryDirectory[str],
+        provenance: Provenance,
     ) -> None:
         self.settings, self.engine, self.info, self.layer_ids = settings, engine, info, layer_ids
+        #: What makes this server's states (every object's ``hsx.provenance.*``).
+        self.provenance = provenance
         self._receiver, self._storage, self._scratch = receiver, storage, scratch
         #: Storage and writer metrics of both processes; an app registers them.
         self.metrics = metrics
@@ -113,11 +117,18 @@ class Extractor:
         if prepared is None:
             prepared = prepare(settings, storage_factory)
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
+        # Once per start-up, here in the API process and before the engine's arguments:
+        # the workers get it whole and hash nothing.
+        provenance = prepared.provenance or build_provenance(
+            str(settings.engine.model), info.revision
+        )
+        log.info("hsx: provenance %s", provenance.fields())
+        metrics.name_model(served_model_name(info.name))
         scratch = tempfile.TemporaryDirectory(prefix="hsx-")
         receiver = CompletionReceiver(f"ipc://{Path(scratch.name) / 'completions.sock'}")
         receiver.on_message = metrics.record
         receiver.start()
-        args = engine_args(settings, info, layer_ids, receiver.address, storage_factory)
+        args = engine_args(settings, info, layer_ids, receiver.address, storage_factory, provenance)
         try:
             engine = AsyncLLM.from_engine_args(args)
         except BaseException:
@@ -126,7 +137,15 @@ class Extractor:
             scratch.cleanup()
             raise
         extractor = cls(
-            settings, engine, receiver, prepared.storage, metrics, info, layer_ids, scratch
+            settings,
+            engine,
+            receiver,
+            prepared.storage,
+            metrics,
+            info,
+            layer_ids,
+            scratch,
+            provenance,
         )
         try:  # the served dtype is known only now ("auto")
             codecs.check_codec(settings.storage.codec, extractor.dtype)
@@ -274,9 +293,8 @@ def _extraction(
         raise ERROR_TYPES.get(failure.type, ExtractionError)(failure.message)
     assert completion.stored is not None
     return Extraction(
-        **completion.stored.model_dump(),
+        **{**completion.stored.model_dump(), "layer_ids": layer_ids},
         prompt_tokens=len(output.prompt_token_ids or ()),
         output_token_ids=tuple(output.outputs[0].token_ids) if output.outputs else (),
         codec=codec,
-        layer_ids=layer_ids,
     )

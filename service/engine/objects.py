@@ -11,11 +11,12 @@ strings only. Other codecs (``service.codecs``) change how the states are stored
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from service import codecs
 from service.codecs import CODEC_KEY, CODEC_VERSION_KEY, DECODED_FROM_KEY, Codec
+from service.engine.provenance import METADATA_PREFIX
 
 if TYPE_CHECKING:
     import torch
@@ -34,15 +35,32 @@ RESERVED_KEYS = frozenset(
         DECODED_FROM_KEY,
     }
 )
+#: Key prefixes we own (every ``hsx.provenance.*`` key, known or not on this server).
+RESERVED_PREFIXES = (METADATA_PREFIX,)
+
+
+def is_reserved(key: str) -> bool:
+    """Whether a metadata key is ours: a caller may not set it."""
+    return key in RESERVED_KEYS or key.startswith(RESERVED_PREFIXES)
+
+
+def reserved_keys(keys: Iterable[str]) -> list[str]:
+    """The reserved ones among ``keys``, sorted (what a refusal names)."""
+    return sorted(k for k in keys if is_reserved(k))
 
 
 def object_metadata(
-    model: str, layer_ids: Sequence[int], dtype: str, extra: Mapping[str, str] | None = None
+    model: str,
+    layer_ids: Sequence[int],
+    dtype: str,
+    extra: Mapping[str, str] | None = None,
+    provenance: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The ``__metadata__`` of one object: ours, and the caller's strings (``extra``)
-    beside them. The one place the two meet: a caller's reserved key never overrides
-    ours."""
-    meta = {k: v for k, v in (extra or {}).items() if k not in RESERVED_KEYS}
+    """The ``__metadata__`` of one object: ours, the server's ``provenance``
+    (``Provenance.metadata``) and the caller's strings (``extra``) beside them. The one
+    place they meet: a caller's reserved key never overrides ours."""
+    meta = {k: v for k, v in (extra or {}).items() if not is_reserved(k)}
+    meta.update({k: v for k, v in (provenance or {}).items() if k.startswith(METADATA_PREFIX)})
     meta.update(
         {
             "format": "hsx.hidden_states",

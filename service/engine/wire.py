@@ -25,8 +25,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.client.models import LayerStatistics
 from service.codecs import Codec
 from service.config import StorageSettings
+from service.engine.provenance import Provenance
 from service.masks import Span
 from service.storage.base import StorageOp
 from service.storage.keys import validate_key
@@ -53,6 +55,9 @@ class ConnectorConfig(_Message):
     storage_factory: str | None = None
     """``module:callable`` building the backend instead of the URL's (tests inject
     faults with it; a deployment may plug in its own store)."""
+    provenance: Provenance | None = None
+    """What makes the states, written into every object's metadata (built once at
+    start-up in the API process, ``service.engine.provenance``); None: no fields."""
 
     def to_extra_config(self) -> dict[str, Any]:
         """Plain data for ``KVTransferConfig.kv_connector_extra_config``."""
@@ -121,6 +126,11 @@ class StoredObject(_Message):
     """``hidden_states`` shape: [num_tokens, num_layers, hidden_size]."""
     num_loss_tokens: int | None = None
     """Tokens the stored ``loss_mask`` supervises; None when no mask was asked for."""
+    layer_ids: tuple[int, ...] = ()
+    """The layer ids the object holds, in order (``shape[1]`` of them)."""
+    statistics: LayerStatistics | None = None
+    """Per-layer sums of the states the writer stored, computed before any lossy codec
+    (``service.engine.statistics``)."""
     copy_s: float = 0.0
     """Copy-out of the states from the KV cache to host memory."""
     write_s: float = 0.0
@@ -178,5 +188,3 @@ class Extraction(StoredObject):
     """Tokens the engine generated (greedy)."""
     codec: str = "raw"
     """How the object stores its states (``service.codecs``)."""
-    layer_ids: tuple[int, ...] = ()
-    """The layer ids the object holds."""

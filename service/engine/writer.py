@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from service import codecs
+from service.client.models import LayerStatistics
 from service.config import StorageSettings
 from service.engine.completion import CompletionSender
 from service.engine.errors import (
@@ -38,6 +39,7 @@ from service.engine.errors import (
 )
 from service.engine.jobs import WriteJob
 from service.engine.objects import loss_mask, serialize_parts
+from service.engine.statistics import layer_statistics
 from service.engine.wire import Completion, FailureType, StoredObject, WriteFailure
 from service.storage import ObjectRef, StorageError, StorageOp, open_storage
 
@@ -163,6 +165,8 @@ class _Encoded:
     shape: tuple[int, ...]
     num_tokens: int
     num_loss_tokens: int | None
+    layer_ids: tuple[int, ...]
+    statistics: LayerStatistics
 
     @property
     def nbytes(self) -> int:
@@ -177,6 +181,8 @@ class _Encoded:
             num_tokens=self.num_tokens,
             shape=self.shape,
             num_loss_tokens=self.num_loss_tokens,
+            layer_ids=self.layer_ids,
+            statistics=self.statistics,
             copy_s=self.copy_s,
             write_s=write_s,
         )
@@ -194,10 +200,12 @@ def encode(job: WriteJob) -> _Encoded:
     copy_s = job.copy.wait()
     save, tensors = job.save, job.copy.tensors
     layer_ids = save.layer_ids or None
-    if job.copy.prepared:  # encoded on the GPU: check what a reader will get back
-        check_states(codecs.restore(save.codec, tensors), layer_ids)
-    else:
-        check_states(job.copy.states, layer_ids)
+    # Encoded on the GPU: check what a reader will get back. Otherwise the model's
+    # states, before any lossy codec: what the statistics describe.
+    states = codecs.restore(save.codec, tensors) if job.copy.prepared else job.copy.states
+    check_states(states, layer_ids)
+    statistics = layer_statistics(states)
+    del states
     mask = None if save.loss_spans is None else loss_mask(save.loss_spans, len(save.token_ids))
     token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
     prepared = tensors if job.copy.prepared else None
@@ -208,6 +216,8 @@ def encode(job: WriteJob) -> _Encoded:
         shape=tuple(job.copy.states.shape),
         num_tokens=len(save.token_ids),
         num_loss_tokens=None if mask is None else int(mask.sum()),
+        layer_ids=save.layer_ids,
+        statistics=statistics,
     )
 
 

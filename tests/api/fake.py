@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import torch
 from fastapi import FastAPI
 from safetensors.numpy import save
 
@@ -35,6 +36,9 @@ from service.engine.errors import (
     StorageWriteError,
 )
 from service.engine.front_end import VllmFrontEnd
+from service.engine.objects import object_metadata
+from service.engine.provenance import Provenance, build_provenance
+from service.engine.statistics import layer_statistics
 from service.engine.wire import Extraction, RequestParams
 from service.metrics import ExtractorMetrics
 from service.storage.base import AlreadyExistsError
@@ -82,6 +86,9 @@ class FakeExtractor:
     closed: bool = False
     #: The server default codec (``storage.codec``).
     default_codec: str = "raw"
+    provenance: Provenance = field(
+        default_factory=lambda: Provenance(hsx_version="0", vllm_version="0", torch_version="0")
+    )
 
     @property
     def codecs(self) -> list[str]:
@@ -118,11 +125,14 @@ class FakeExtractor:
             raise fault(f"layer 2 of prompt ({len(ids)} tokens) is all zeros", "all_zero_layer")
         if fault is not None:  # a storage error's detail names paths, buckets, endpoints
             raise fault(f"injected failure for {self.storage.root}/{params.key}")
-        states = np.zeros((len(ids), len(self.layer_ids), self.info.hidden_size), np.float32)
-        data = save(
-            {"hidden_states": states, "token_ids": np.asarray(ids, np.int64)},
-            metadata={"model": self.info.name, **params.metadata},
+        layer_ids = tuple(self.layer_ids) if params.layers is None else params.layers
+        states = np.zeros((len(ids), len(layer_ids), self.info.hidden_size), np.float32)
+        # The real scheduler's metadata (provenance included), so both write the same keys.
+        provenance = self.provenance.metadata(params.codec, self.dtype)
+        metadata = object_metadata(
+            self.info.name, layer_ids, self.dtype, params.metadata, provenance
         )
+        data = save({"hidden_states": states, "token_ids": np.asarray(ids, np.int64)}, metadata)
         try:
             ref = await self.storage.put(params.key, data)
         except AlreadyExistsError as exc:  # as the real writer reports a lost create-only race
@@ -135,10 +145,11 @@ class FakeExtractor:
             sha256=ref.sha256,
             num_tokens=len(ids),
             shape=tuple(states.shape),
+            layer_ids=layer_ids,
+            statistics=layer_statistics(torch.from_numpy(states)),
             prompt_tokens=len(ids),
             output_token_ids=tuple([3] * max_tokens),
             codec=params.codec,
-            layer_ids=tuple(self.layer_ids) if params.layers is None else params.layers,
         )
 
     async def on_workers(self, method: str) -> list[Any]:
@@ -163,7 +174,16 @@ def fake_extractor(root: Path, model: Path, **options: Any) -> FakeExtractor:
     root.mkdir(parents=True, exist_ok=True)
     storage = LocalStorage(root, fsync=False)
     tokenizer = AutoTokenizer.from_pretrained(model)
+    options.setdefault("provenance", _provenance(str(model)))
     return FakeExtractor(storage, tokenizer, FakeModelInfo(str(model)), **options)
+
+
+@functools.cache
+def _provenance(model: str) -> Provenance:
+    """The tiny model's real provenance (no weights: no weights hash), once per process."""
+    from transformers import AutoTokenizer
+
+    return build_provenance(model, tokenizer=AutoTokenizer.from_pretrained(model))
 
 
 @contextlib.asynccontextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load
@@ -67,6 +68,57 @@ def test_codec_objects_decode_to_raw_over_http(
         reference = reference_states(model, prompt, layers)
         relative = (states - reference).norm(dim=-1) / reference.norm(dim=-1)
         assert relative.max() <= (0.03 if codec == "fp8" else 0.005)
+
+
+def numpy_statistics(states: np.ndarray) -> dict[str, list[float]]:
+    """The statistics of ``states`` [tokens, layers, hidden], by numpy in float64."""
+    x = states.astype(np.float64)
+    return {
+        "sum": x.sum(axis=(0, 2)).tolist(),
+        "sum_sq": (x * x).sum(axis=(0, 2)).tolist(),
+        "sum_abs": np.abs(x).sum(axis=(0, 2)).tolist(),
+        "max_abs": np.abs(x).max(axis=(0, 2)).tolist(),
+        "sum_token_norm": np.sqrt((x * x).sum(axis=2)).sum(axis=0).tolist(),
+        "zero_rows": (np.abs(x).max(axis=2) == 0).sum(axis=0).tolist(),
+        "non_finite": (~np.isfinite(x)).sum(axis=(0, 2)).tolist(),
+    }
+
+
+def assert_statistics(stats: dict[str, Any], states: np.ndarray, rtol: float) -> None:
+    assert (stats["num_tokens"], stats["hidden_size"]) == (states.shape[0], states.shape[2])
+    for name, expected in numpy_statistics(states).items():
+        np.testing.assert_allclose(stats[name], expected, rtol=rtol, err_msg=name)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_objects_carry_statistics_and_provenance(
+    client: httpx.Client, local_engine: ServerThread
+) -> None:
+    """Statistics of the states as stored, before a lossy codec; provenance in every
+    object's metadata."""
+    extractor = local_engine.extractor
+    prompts = random_prompts([9, 70], seed=53)
+    body = {"prompts": [{"token_ids": p} for p in prompts], "metadata": {"run": "r1"}}
+    raw = extract(client, body)["objects"]
+    lossy = extract(client, {**body, "codec": "fp8"})["objects"]
+    for plain, fp8 in zip(raw, lossy, strict=True):
+        stored = client.get(f"/objects/{plain['key']}", headers=AUTH_A).content
+        states = load(stored)["hidden_states"].numpy()
+        assert_statistics(plain["statistics"], states, rtol=1e-6)
+        # fp8: the statistics are the model's states' (the raw object of the same
+        # prompt), not the decoded fp8 values'.
+        assert_statistics(fp8["statistics"], states, rtol=1e-5)
+        encoded = client.get(f"/objects/{fp8['key']}", headers=AUTH_A).content
+        decoded = load(codecs.to_raw(encoded))["hidden_states"].numpy().astype(np.float64)
+        stats = fp8["statistics"]
+        assert not np.allclose(stats["sum_sq"], (decoded**2).sum(axis=(0, 2)), rtol=1e-4)
+        for obj, data in ((plain, stored), (fp8, encoded)):
+            meta = codecs.read_metadata(data)
+            expected = extractor.provenance.metadata(obj["codec"], extractor.dtype)
+            assert {k: v for k, v in meta.items() if k.startswith("hsx.provenance.")} == expected
+            assert meta["run"] == "r1"
+            assert "hsx.provenance.weights_sha256" in meta
 
 
 @pytest.mark.engine

@@ -238,6 +238,7 @@ ALLOWED_LABELS = {
     "device",
     "block_size",
     "layers",
+    "layer",
     "version",
     "vllm_version",
     "model",

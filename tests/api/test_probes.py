@@ -44,6 +44,17 @@ def test_models_and_version(client: httpx.Client, local_engine: ServerThread) ->
     tokenizer_json = extractor.tokenizer.backend_tokenizer.to_str()
     assert card.pop("tokenizer_sha256") == hashlib.sha256(tokenizer_json.encode()).hexdigest()
     assert card.pop("created") > 0  # OpenAI's model object: created, owned_by
+    # The weights' SHA-256: sha256sum's lines over the weight files, by name.
+    model = Path(str(local_engine.settings.engine.model))
+    lines = "".join(
+        f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n"
+        for f in sorted(model.glob("*.safetensors"))
+    )
+    provenance = card.pop("provenance")
+    assert provenance["weights_sha256"] == hashlib.sha256(lines.encode()).hexdigest()
+    assert provenance["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
+    assert provenance == extractor.provenance.fields("raw", "float32")
+    assert {"hsx_version", "vllm_version", "torch_version", "layer_convention"} <= set(provenance)
     assert card == {
         "id": "llama",  # the served name, not the server's path
         "object": "model",

@@ -131,6 +131,7 @@ def workload(hsx: str, prometheus: str) -> dict[str, Any]:
         "bytes": sum(obj["bytes"] for obj in objects),
         "tokens": sum(answer["usage"]["prompt_tokens"] for answer in answers),
         "model": answers[0]["model"],
+        "layer_ids": answers[0]["layer_ids"],
     }
     wait_for(
         lambda: query(prometheus, f'hsx_extract_prompts_total{{outcome="ok"}} == {len(objects)}'),
@@ -234,3 +235,17 @@ def test_kv_cache_panels_show_the_engine_layout(prometheus: str, workload: dict[
     assert group_memory == value(prometheus, page) * value(prometheus, blocks)
     # hsx's default CPU cache: 1 GiB, of which whole blocks are allocated.
     assert 1024**3 - value(prometheus, page) < group_memory <= 1024**3
+
+
+def test_token_norm_panel_shows_every_served_layer(
+    prometheus: str, workload: dict[str, Any]
+) -> None:
+    """The gauge's value is checked against the objects' statistics without an engine
+    (tests/engine/test_statistics.py); here, that the panel graphs each layer."""
+    resolved = variables(prometheus)
+    (expr,) = panel("Hidden-state token norm by layer")
+    series = query(prometheus, substitute(expr, resolved))
+    layers = {s["metric"]["layer"]: float(s["value"][1]) for s in series}
+    assert sorted(layers, key=int) == [str(i) for i in workload["layer_ids"]]
+    assert all(0 < norm < float("inf") for norm in layers.values()), layers
+    assert {s["metric"]["model"] for s in series} == {workload["model"]}

@@ -155,6 +155,7 @@ def _response(state: ApiState, objects: list[Extraction]) -> ExtractResponse:
                 num_loss_tokens=o.num_loss_tokens,
                 status="found" if isinstance(o, Found) else "created",
                 codec=o.codec,
+                statistics=o.statistics,
             )
             for i, o in enumerate(objects)
         ],

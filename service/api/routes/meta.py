@@ -73,22 +73,24 @@ async def models(state: StateDep) -> ModelList:
         storage_backend=state.backend,
         codecs=extractor.codecs,
         default_codec=state.settings.storage.codec,
+        # What every object's metadata carries (the codec there is the object's own).
+        provenance=extractor.provenance.fields(state.settings.storage.codec, extractor.dtype),
     )
-    # Dataset runs fingerprint these: a resume under another tokenizer is refused.
-    card.tokenizer_sha256, card.chat_template_sha256 = tokenizer_hashes(extractor.tokenizer)
+    # Dataset runs fingerprint these: a resume under another tokenizer is refused. The
+    # template's hash was taken once at start-up, with the provenance.
+    card.tokenizer_sha256 = tokenizer_sha256(extractor.tokenizer)
+    card.chat_template_sha256 = extractor.provenance.chat_template_sha256
     return ModelList(data=[card])
 
 
 @functools.lru_cache(maxsize=4)
-def tokenizer_hashes(tokenizer: Any) -> tuple[str | None, str | None]:
-    """SHA-256 of the tokenizer's serialised form and of its chat template (None: none)."""
+def tokenizer_sha256(tokenizer: Any) -> str | None:
+    """SHA-256 of the tokenizer's serialised form (None: no tokenizer)."""
     if tokenizer is None:
-        return None, None
+        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
-    template = getattr(tokenizer, "chat_template", None)
-    digest = hashlib.sha256(str(text).encode()).hexdigest()
-    return digest, hashlib.sha256(template.encode()).hexdigest() if template else None
+    return hashlib.sha256(str(text).encode()).hexdigest()
 
 
 @private.get("/openapi.json", include_in_schema=False)

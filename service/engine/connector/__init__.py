@@ -82,7 +82,9 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             assert spec.draft_model_config is not None
             layer_ids = list(spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids)
             dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-            self._scheduler = HsxConnectorScheduler(group, config.model_name, layer_ids, dtype)
+            self._scheduler = HsxConnectorScheduler(
+                group, config.model_name, layer_ids, dtype, config.provenance
+            )
             # The scheduler half lives in the EngineCore: the one process vLLM leaves
             # running when the server is killed outright.
             from service.engine.lifeline import exit_with_parent

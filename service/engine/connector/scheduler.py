@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from service.engine.connector.common import FailedSave, HsxConnectorMetadata, PendingSave
 from service.engine.objects import object_metadata
+from service.engine.provenance import Provenance
 from service.engine.wire import REQUEST_ARG, RequestParams, WriteFailure
 
 if TYPE_CHECKING:
@@ -22,19 +23,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Served:
-    """What this server stores for every request: its model, layer ids and dtype."""
+    """What this server stores for every request: its model, layer ids and dtype, and
+    the provenance every object's metadata carries (None: none)."""
 
     model: str
     layer_ids: tuple[int, ...]
     dtype: str
+    provenance: Provenance | None = None
 
 
 class HsxConnectorScheduler:
     """Holds each finished hsx request's blocks and queues its save for the workers."""
 
-    def __init__(self, group: int, model_name: str, layer_ids: Sequence[int], dtype: str) -> None:
+    def __init__(
+        self,
+        group: int,
+        model_name: str,
+        layer_ids: Sequence[int],
+        dtype: str,
+        provenance: Provenance | None = None,
+    ) -> None:
         self._group = group
-        self._served = Served(model_name, tuple(layer_ids), dtype)
+        self._served = Served(model_name, tuple(layer_ids), dtype, provenance)
         self._ready: list[PendingSave | FailedSave] = []
         self._held: set[str] = set()
 
@@ -128,12 +138,16 @@ def plan_save(
         except ValueError as exc:  # a bug of ours, as above
             return WriteFailure(type="internal_error", message=str(exc))
     layer_ids = served.layer_ids if params.layers is None else tuple(params.layers)
+    origin = served.provenance
+    provenance = None if origin is None else origin.metadata(params.codec, served.dtype)
     return PendingSave(
         req_id=request.request_id,
         key=params.key,
         token_ids=tuple(token_ids),
         block_ids=tuple(blocks),
-        metadata=object_metadata(served.model, layer_ids, served.dtype, params.metadata),
+        metadata=object_metadata(
+            served.model, layer_ids, served.dtype, params.metadata, provenance
+        ),
         layer_ids=layer_ids,
         codec=params.codec,
         layer_index=None if layer_index is None else tuple(layer_index),
