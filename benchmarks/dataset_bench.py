@@ -7,6 +7,9 @@ tiny dense model on the CPU) serves both sides. The in-process side is
 manifest fsynced after every response. Every timed run gets fresh prompts (see
 ``benchmarks.common.fresh_prompts``): new ids, so the server runs every prompt
 instead of finding its object, and no prefix-cache hits on either side.
+
+After the timed rounds, ``verify --parity`` (``service.dataset.parity``) runs on the last
+round's output: its cost per sampled row against the run's own time per row.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ CONCURRENCY = int(os.environ.get("HSX_BENCH_DATASET_CONCURRENCY", "8"))
 BATCH = int(os.environ.get("HSX_BENCH_DATASET_BATCH", "8"))
 HIDDEN = int(os.environ.get("HSX_BENCH_DATASET_HIDDEN", "512"))
 LAYERS = int(os.environ.get("HSX_BENCH_DATASET_LAYERS", "4"))
+PARITY_ROWS = int(os.environ.get("HSX_BENCH_DATASET_PARITY_ROWS", "16"))
+#: The starts of this bench's rows, which ``run.py --only dataset_bench`` replaces.
+ROW_PREFIXES = ("dataset runner vs in-process", "verify --parity")
 
 NOTES = f"""- **dataset runner vs in-process**: {PROMPTS} token-id prompts of 32-256 tokens.
   Runner: `hsx dataset run` in its own process against one uvicorn server on 127.0.0.1
@@ -62,6 +68,16 @@ NOTES = f"""- **dataset runner vs in-process**: {PROMPTS} token-id prompts of 32
   is about a tenth of the round. A real model's forward pass makes it smaller still.
   Random weights: the shapes are realistic, the activations are not (they do not
   affect these timings).
+- **verify --parity**: after the timed rounds, `parity_check` on the last round's
+  output: {PARITY_ROWS} rows sampled over lengths (32-256 tokens), each fetched through
+  the server, decoded, and recomputed by transformers (float32, eager, this CPU, one
+  row at a time) with every stored layer compared. Ours: its seconds per sampled row
+  (the model's load, once per verify, is named in the row and not included).
+  Baseline: the run's own `elapsed_s` per ok row (a row's share of the whole run, with
+  the engine batching). Ratio: what parity costs per row, in rows of extraction: K
+  sampled rows cost about K x ratio rows of the run. Random weights: on a real model
+  the ratio depends on how transformers' forward pass compares with vLLM's on it (not
+  measured here).
 """
 
 
@@ -74,7 +90,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     prompts, rounds = (16, 1) if quick else (PROMPTS, ROUNDS)
     rows = []
     for hidden, layers, target in models:
-        rows.append(await _model_row(scratch, hidden, layers, prompts, rounds, target, quick))
+        rows += await _model_row(scratch, hidden, layers, prompts, rounds, target, quick)
     return rows
 
 
@@ -86,7 +102,8 @@ async def _model_row(
     rounds: int,
     target: str,
     eager: bool = False,
-) -> Row:
+) -> list[Row]:
+    """The runner-vs-in-process row of one model, and its ``verify --parity`` row."""
     from service.engine.extractor import Extractor
 
     name = f"dataset-{hidden}x{layers}"
@@ -101,20 +118,55 @@ async def _model_row(
     extractor = await Extractor.start(settings)
     server, task, url = await serve(settings, extractor)
     (scratch / name).mkdir(exist_ok=True)
+    model = f"hidden {hidden}, {layers} layers"
     try:
-        row = await _compare(extractor, url, scratch / name, prompts, rounds)
+        row, output = await _compare(extractor, url, scratch / name, prompts, rounds)
+        k = 4 if eager else PARITY_ROWS  # eager: the quick mode
+        parity = await _parity_row(url, output, str(settings.engine.model), k, model)
     finally:
         server.should_exit = True
         await task
         await extractor.close()
-    model = f"hidden {hidden}, {layers} layers"
-    return dataclasses.replace(
+    row = dataclasses.replace(
         row, name=row.name.replace(" prompts", f" prompts, {model}", 1), target=target
+    )
+    return [row, parity]
+
+
+async def _parity_row(url: str, output: Path, model: str, k: int, described: str) -> Row:
+    """``verify --parity k`` on a finished run: seconds per sampled row vs the run's."""
+    from service.client import AsyncHsxClient
+    from service.dataset.parity import parity_check
+    from service.dataset.store import RunStore
+    from service.dataset.verify import run_stores
+
+    root = RunStore(str(output))
+    try:
+        async with AsyncHsxClient(url, None, timeout=120) as client:
+            report = await parity_check(client, root, await run_stores(root), k, model=model)
+    finally:
+        await root.close()
+    assert report.ok, report.lines()
+    summary = json.loads((output / "summary.json").read_text())
+    per_row, run_row = report.compare_s / len(report.rows), summary["elapsed_s"] / summary["ok"]
+    return Row(
+        f"verify --parity, {described}: time per sampled row vs the run's per row "
+        f"({len(report.rows)} rows of 32-256 tokens, transformers float32 on "
+        f"{os.cpu_count()} CPU cores, random weights; model load {report.load_s:.1f} s "
+        "once per verify, not included)",
+        ms(per_row),
+        ms(run_row),
+        per_row / run_row,
+        "info",
     )
 
 
-async def _compare(extractor: Any, url: str, scratch: Path, count: int, rounds: int) -> Row:
+async def _compare(
+    extractor: Any, url: str, scratch: Path, count: int, rounds: int
+) -> tuple[Row, Path]:
+    """The runner-vs-in-process row, and the output of the runner's last round."""
     lengths = prompt_lengths(count, 0)
+    outputs: list[Path] = []
 
     cpu: dict[str, list[CpuSeconds]] = {"in-process": [], "runner": []}
 
@@ -128,11 +180,12 @@ async def _compare(extractor: Any, url: str, scratch: Path, count: int, rounds: 
             return time.perf_counter() - start
 
     async def runner(seed: int) -> float:
+        outputs.append(scratch / f"dataset-out-s{seed}")
         with cpu_seconds(cpu["runner"]):
             return await _runner(url, fresh_prompts(lengths, seed), scratch, f"s{seed}")
 
     i, r = await interleaved(in_process, runner, rounds)
-    return Row(
+    row = Row(
         f"dataset runner vs in-process, {count} prompts (ratio: runner / in-process "
         f"throughput; CPU s per round: {cpu_text(cpu)})",
         ms(r),
@@ -140,6 +193,7 @@ async def _compare(extractor: Any, url: str, scratch: Path, count: int, rounds: 
         i / r,
         ">= 0.95",
     )
+    return row, outputs[-1]
 
 
 async def _runner(url: str, prompts: list[list[int]], scratch: Path, tag: str) -> float:

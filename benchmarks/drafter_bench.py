@@ -111,12 +111,13 @@ NOTES = f"""- **drafter proof (issue 25), data**: {FULL.questions} seed question
 - **drafter acceptance length**: each checkpoint, as `speculators train` saved it, is
   the drafter of vLLM's own EAGLE-3 speculative decoding on the CPU build
   (`benchmarks/drafter/vllm_accept.py`: target in float32, 3 draft tokens, greedy,
-  eager mode, one engine per drafter) over the held-out questions; the row is vLLM's
-  mean acceptance length, 1 + accepted draft tokens / drafts, from its `spec_decode`
-  counters. The teacher-forced row is the same quantity estimated from the rollout
-  the top-1 rows score (per held-out position: leading correct steps of 3, plus the
-  bonus token). `--quick` ({QUICK.questions} questions, {QUICK.max_tokens} tokens,
-  {QUICK.epochs} epoch) shows the pipeline, not the gap.
+  eager mode, one engine per drafter, one after the other in one process) over the
+  held-out questions; the row is vLLM's mean acceptance length, 1 + accepted draft
+  tokens / drafts, from its `spec_decode` counters. The teacher-forced row is the same
+  quantity estimated from the rollout the top-1 rows score (per held-out position:
+  leading correct steps of 3, plus the bonus token). `--quick` ({QUICK.questions}
+  questions, {QUICK.max_tokens} tokens, {QUICK.epochs} epoch) shows the pipeline, not
+  the gap.
 """
 
 
@@ -335,20 +336,23 @@ async def vllm_acceptance(
     model: Path, checkpoints: dict[str, Path], questions: list[str], max_tokens: int, work: Path
 ) -> dict[str, dict[str, Any] | str]:
     """Each drafter in vLLM's EAGLE-3 speculative decoding on the held-out questions
-    (``benchmarks.drafter.vllm_accept``, one engine per drafter): vLLM's counters, or
-    why the run failed."""
+    (``benchmarks.drafter.vllm_accept``: one engine per drafter, one after the other in
+    one child process): vLLM's counters, or why the run failed."""
     path = work / "held-out-questions.json"
     await asyncio.to_thread(path.write_text, json.dumps(questions))
+    arms = [f"{arm}={checkpoint}" for arm, checkpoint in checkpoints.items()]
+    try:
+        out = await _child(
+            "benchmarks.drafter.vllm_accept", str(model), str(path), str(max_tokens), *arms,
+            log=work / "vllm-accept.log",
+        )  # fmt: skip
+    except RuntimeError as error:  # the row says why instead of failing the bench
+        return {arm: str(error).splitlines()[-1][:200] for arm in checkpoints}
+    found = {line["arm"]: line for line in _json_lines(out) if "arm" in line}
     results: dict[str, dict[str, Any] | str] = {}
-    for arm, checkpoint in checkpoints.items():
-        try:
-            out = await _child(
-                "benchmarks.drafter.vllm_accept", str(model), str(checkpoint), str(path),
-                str(max_tokens), log=work / f"vllm-{arm}.log",
-            )  # fmt: skip
-            results[arm] = _last_json(out)
-        except RuntimeError as error:  # the row says why instead of losing the others
-            results[arm] = str(error).splitlines()[-1][:200]
+    for arm in checkpoints:
+        line = found.get(arm, {"error": "no result line"})
+        results[arm] = line.get("error", line)
     return results
 
 
@@ -393,6 +397,11 @@ async def _child(module: str, *args: str, log: Path) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"python -m {module} failed ({proc.returncode}):\n{text[-4000:]}")
     return text
+
+
+def _json_lines(output: str) -> list[dict[str, Any]]:
+    """Every line of a child's output that is a JSON object, in order."""
+    return [json.loads(line) for line in output.splitlines() if line.startswith('{"')]
 
 
 def _last_json(output: str) -> dict[str, Any]:

@@ -39,6 +39,12 @@ CODEC_KEY = "hsx.codec"
 CODEC_VERSION_KEY = "hsx.codec_version"
 #: The codec a decoded object was stored with (set by ``to_raw``).
 DECODED_FROM_KEY = "hsx.decoded_from"
+#: Metadata of an object that keeps some token positions only: the selection as JSON
+#: (``"last"``, ``"mean"``, ``"mean_loss"`` or ``{"start": s, "end": e}``). Such an
+#: object has a ``positions`` int64 tensor (the positions of ``token_ids`` kept, or for
+#: a mean those averaged over) and ``hidden_states`` rows for them (one for a mean).
+TOKENS_KEY = "hsx.tokens"
+POOLED_SELECTIONS = frozenset({'"mean"', '"mean_loss"'})
 SCALES = "hidden_states_scales"
 EXPONENT_PLANE = "hidden_states.exponent_zstd"
 REST_PLANES = "hidden_states.rest"
@@ -735,8 +741,9 @@ def read_object(data: bytes | memoryview) -> ObjectHeader:
     tensor = TensorCheck(codec, tensors)
     tokens = tensor("token_ids", ["I64"], 1)[0]
     shape = impl.check(tensor, dtype)
-    if shape[0] != tokens:
-        raise _corrupt(f"states of {shape[0]} tokens, token_ids of {tokens}")
+    rows = _selected_rows(metadata, tensor, tokens)
+    if shape[0] != rows:
+        raise _corrupt(f"states of {shape[0]} tokens, token_ids of {tokens}, {rows} selected")
     if "loss_mask" in tensors and tensor("loss_mask", ["U8"], 1)[0] != tokens:
         raise _corrupt(f"loss_mask does not hold one value per token ({tokens})")
     layer_ids = _layer_ids(metadata, shape[1])
@@ -757,6 +764,18 @@ def read_tensor(data: bytes | memoryview, header: ObjectHeader, name: str) -> np
     if numpy is None:
         raise ValueError(f"{name} is {entry.dtype}, which numpy has no dtype for")
     return np.frombuffer(header.bytes_of(data, name), dtype=np.dtype(numpy)).reshape(entry.shape)
+
+
+def _selected_rows(metadata: Mapping[str, str], tensor: TensorCheck, tokens: int) -> int:
+    """The ``hidden_states`` rows an object must hold: one per token, or under a token
+    selection (``TOKENS_KEY``) one per kept position, or one for a mean."""
+    selection = metadata.get(TOKENS_KEY)
+    if selection is None:
+        return tokens
+    positions = tensor("positions", ["I64"], 1)[0]
+    if not 0 < positions <= tokens:
+        raise _corrupt(f"positions: {positions} of {tokens} tokens")
+    return 1 if selection in POOLED_SELECTIONS else positions
 
 
 def _layer_ids(metadata: Mapping[str, str], layers: int) -> tuple[int, ...] | None:

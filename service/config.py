@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service import codecs
 from service.codecs import Codec
+from service.storage.expiry import MAX_TTL_S
 
 MIB = 1024 * 1024
 # S3 refuses parts below 5 MiB (except the last) and more than 10,000 parts.
@@ -243,6 +244,21 @@ class StorageSettings(BaseModel):
         description="How objects store their states unless a request says otherwise: "
         f"{codecs.describe()}.",
     )
+    default_ttl_s: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TTL_S,
+        description="Seconds objects live when a request gives no `ttl_s` (at most 366 "
+        "days); unset: they never expire. Expired objects are 404 at once; local disk's "
+        "sweeper removes them, S3's bucket lifecycle rules (the chart's README).",
+    )
+    sweep_interval_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="How often the API sweeps local storage for expired objects and "
+        "orphaned temp files (older than `local.stale_temp_s`).",
+    )
     local: LocalStorageSettings = Field(default_factory=LocalStorageSettings)
     s3: S3StorageSettings = Field(default_factory=S3StorageSettings)
 
@@ -275,6 +291,13 @@ class LimitsSettings(BaseModel):
         ge=MIB,
         description="Ceiling on hidden-state bytes copied out but not yet durable; past "
         "it the engine keeps their KV blocks held, so the scheduler slows down.",
+    )
+    max_inline_bytes: int = Field(
+        MIB,
+        ge=0,
+        description="Largest answer of a request with `return: inline`: its objects' "
+        "bytes together (estimated from tokens x layers x hidden x the codec's bytes before "
+        "the engine runs; each object checked again once encoded).",
     )
     max_queued_prompts: int = Field(
         1024,

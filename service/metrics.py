@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from service.storage.base import StorageOp
+from service.storage.base import StorageOp, Swept
 
 if TYPE_CHECKING:
     from service.engine.wire import Completion, StoredObject
@@ -43,6 +43,8 @@ OPERATIONS = ("put", "get", "head", "exists", "list", "delete", "ping")
 ERROR_KINDS = (
     "error", "not_found", "already_exists", "invalid_key", "unavailable", "config", "integrity"
 )  # fmt: skip
+#: Why the sweeper removed something (``hsx_storage_swept_objects_total{reason}``).
+SWEEP_REASONS = ("expired", "orphan")
 #: Why stored states were refused (``hsx_extract_invalid_states_total{reason}``).
 INVALID_STATES_REASONS = ("non_finite", "all_zero_layer")
 #: Weight of each new object in the token-norm gauge's moving average: about the last
@@ -89,6 +91,15 @@ class StorageMetrics:
             ["backend"],
             registry=registry,
         )
+        self.swept = Counter(
+            "hsx_storage_swept_objects",
+            "Files the storage sweeper removed: expired objects, and orphans (temp files "
+            "and expiry records no writer or object owns).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in SWEEP_REASONS:
+            self.swept.labels(reason)
         if backend is not None:
             for operation in OPERATIONS:
                 self.duration.labels(backend, operation)
@@ -96,6 +107,11 @@ class StorageMetrics:
                     self.errors.labels(backend, operation, kind)
             for counter in (self.written, self.read, self.retries):
                 counter.labels(backend)
+
+    def record_sweep(self, swept: Swept) -> None:
+        """Count what one sweep removed."""
+        self.swept.labels("expired").inc(swept.expired)
+        self.swept.labels("orphan").inc(swept.orphan)
 
     def observe(self, op: StorageOp) -> None:
         """Record one storage call."""

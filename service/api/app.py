@@ -27,8 +27,10 @@ from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
 from service.engine.builder import Prepared, served_model_name
+from service.metrics import ExtractorMetrics
 from service.storage import scheme_of
 from service.storage.local import root_from_url
+from service.storage.sweeper import sweep_forever
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +102,15 @@ def create_app(
             raise
         app.state.hsx = state
         refresher = asyncio.create_task(refresh_memory(state), name="hsx-memory")
+        sweeper = start_sweeper(state)
         try:
             yield
         finally:
             state.draining = True
             refresher.cancel()
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper  # no sweep runs on storage the extractor is closing
             await settle(state)
             state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             if owned:
@@ -212,6 +218,18 @@ async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
         tokenizer_pool=pool,
         max_token_bytes=max_token_bytes(extractor.tokenizer),
         model_name=model_name,
+    )
+
+
+def start_sweeper(state: ApiState) -> asyncio.Task[None]:
+    """The storage sweeper (``service.storage.sweeper``), counting into the extractor's
+    ``hsx_storage_swept_objects`` when its metrics are ours."""
+    metrics = state.extractor.metrics
+    record = metrics.storage.record_sweep if isinstance(metrics, ExtractorMetrics) else None
+    interval = state.settings.storage.sweep_interval_s
+    return asyncio.create_task(
+        sweep_forever(state.storage, interval, record or (lambda _swept: None)),
+        name="hsx-sweeper",
     )
 
 

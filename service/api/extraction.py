@@ -128,11 +128,15 @@ async def _discard_landed(
     """Remove the objects of prompts that finished while their request was given up.
 
     Objects under a ``custom_id`` stay: they are found again when the client retries.
+    Inline answers were stored nowhere.
     """
     landed = [
         task.result().key
         for custom_id, task in zip(job.custom_ids, tasks, strict=True)
-        if not task.cancelled() and task.exception() is None and custom_id is None
+        if not task.cancelled()
+        and task.exception() is None
+        and custom_id is None
+        and task.result().data is None
     ]
     results = await asyncio.gather(
         *(state.storage.delete(key) for key in landed), return_exceptions=True

@@ -8,10 +8,11 @@ that a 422 of ``/extract`` is the 400 a vLLM client expects.
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import unquote, urlparse
 
 from fastapi import Request, Response
@@ -33,6 +34,7 @@ from service.api.prompts import (
 from service.api.schemas import MAX_CUSTOM_ID, MetadataKey, MetadataValue
 from service.codecs import Codec
 from service.engine.objects import reserved_keys
+from service.engine.wire import TokenSelection
 from service.masks import LossMode
 
 if TYPE_CHECKING:
@@ -228,6 +230,8 @@ class HsxExtras(BaseModel):
     custom_id: CustomId | list[CustomId] | None = None
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=64)
     include_output_tokens: bool = False
+    tokens: TokenSelection = "all"
+    return_: Literal["storage", "inline"] = Field("storage", alias="return")
 
     def custom_ids(self, prompts: int) -> list[str | None]:
         """Each prompt's ``custom_id`` (None without one); 400 naming ``custom_id``
@@ -367,8 +371,10 @@ def hidden_states_path(uri: str) -> str:
 
 
 def transfer_params(extraction: Any) -> dict[str, Any]:
-    """``kv_transfer_params`` of one durable object, as vLLM's clients read them."""
-    return {
+    """``kv_transfer_params`` of one durable object, as vLLM's clients read them; an
+    object answered inline (``return: inline``) adds ``data``, its safetensors bytes in
+    base64, and has no path or uri."""
+    params = {
         "hidden_states_path": hidden_states_path(extraction.uri),
         "handle": extraction.key,
         "key": extraction.key,
@@ -380,6 +386,9 @@ def transfer_params(extraction: Any) -> dict[str, Any]:
         "codec": extraction.codec,
         "num_loss_tokens": extraction.num_loss_tokens,
     }
+    if extraction.data is not None:
+        params["data"] = base64.b64encode(extraction.data).decode()
+    return params
 
 
 def finish_reason(extraction: Any, max_tokens: int) -> str:

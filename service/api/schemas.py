@@ -25,7 +25,9 @@ from service.client.models import (
 )
 from service.codecs import Codec
 from service.engine.objects import reserved_keys
+from service.engine.wire import TokenSelection
 from service.masks import LossMode
+from service.storage.expiry import MAX_TTL_S
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 MetadataValue = Annotated[str, StringConstraints(max_length=4096)]
@@ -127,6 +129,29 @@ class ExtractRequest(BaseModel):
         min_length=1,
         description="Store only these layer ids: a subset of the served `layer_ids`, "
         "in their order. Default: all.",
+    )
+    ttl_s: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TTL_S,
+        description="Seconds the objects live (at most 366 days); then `GET` answers 404 "
+        "and the store removes them. Default: the server's `storage.default_ttl_s` "
+        "(unset: never expire).",
+    )
+    tokens: TokenSelection = Field(
+        "all",
+        description="Which token positions each object keeps: `all`; `last` (the last "
+        "stored token); `mean` (one row, the mean over the prompt's tokens); `mean_loss` "
+        "(the mean over the loss mask's tokens; needs `loss`); or a window "
+        '`{"start": s, "end": e}`, `[s, e)` over the stored tokens, negative from the end. '
+        "The object's `positions` tensor and `hsx.tokens` metadata record it.",
+    )
+    return_: Literal["storage", "inline"] = Field(
+        "storage",
+        alias="return",
+        description="`storage`: write each object and answer its key and uri. `inline`: "
+        "answer each object's bytes (base64 safetensors, `objects[].data`) and write "
+        "nothing; refused (422) past `limits.max_inline_bytes` for the whole request.",
     )
 
     @model_validator(mode="after")

@@ -69,6 +69,11 @@ class ExtractOptions:
     loss: str | None = None
     codec: str | None = None
     layers: Sequence[int] | None = None
+    #: ``"last"``, ``"mean"``, ``"mean_loss"`` or ``{"start": s, "end": e}``; None: all.
+    tokens: str | Mapping[str, int] | None = None
+    #: ``return: inline``: the objects come back in the answer (``StoredObject.tensors``)
+    #: and nothing is stored.
+    inline: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,10 @@ def encode_extract(prompts: Sequence[Prompt], options: ExtractOptions) -> bytes:
         value = getattr(options, name)
         if value is not None:  # only when asked: servers without codecs still work
             body[name] = list(value) if name == "layers" else value
+    if options.tokens is not None:
+        body["tokens"] = options.tokens if isinstance(options.tokens, str) else dict(options.tokens)
+    if options.inline:
+        body["return"] = "inline"
     text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return text.encode()
 

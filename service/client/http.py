@@ -59,12 +59,17 @@ class HsxClient(BaseHsxClient):
         codec: str | None = None,
         layers: Sequence[int] | None = None,
         loss: str | None = None,
+        tokens: str | Mapping[str, int] | None = None,
+        inline: bool = False,
     ) -> ExtractResponse:
         """``POST /extract``: the answer, whose every object is durable.
 
         A prompt is text, a list of token ids, or an object with one of ``text``,
         ``token_ids``, ``messages``. ``codec``, ``layers`` and ``loss`` are sent only
-        when given (the server's default codec, all its layers, no mask otherwise).
+        when given (the server's default codec, all its layers, no mask otherwise);
+        so is ``tokens`` (which positions to keep; all otherwise). ``inline``: the
+        objects come back in the answer, stored nowhere (``StoredObject.tensors()``
+        decodes one).
         """
         options = ExtractOptions(
             max_tokens=max_tokens,
@@ -73,6 +78,8 @@ class HsxClient(BaseHsxClient):
             loss=loss,
             codec=codec,
             layers=layers,
+            tokens=tokens,
+            inline=inline,
         )
         body = encode_extract(prompts, options)
         return self._send(self._extract(body, len(prompts)))

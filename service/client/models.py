@@ -10,6 +10,8 @@ so scripts written when ``HsxClient.extract`` returned a dict keep working.
 
 from __future__ import annotations
 
+import base64
+import builtins
 import time
 from typing import Any, Literal
 
@@ -67,6 +69,25 @@ class StoredObject(_Body):
     statistics: LayerStatistics | None = Field(
         None, description="Per-layer sums of the stored states (hsx dataset's statistics)."
     )
+    data: str | None = Field(
+        None,
+        description="With `return: inline`: the object itself, safetensors bytes in base64 "
+        "(nothing is stored: `uri` is empty). Absent for a stored object.",
+    )
+
+    def content(self) -> builtins.bytes:
+        """The inline object's safetensors bytes; ValueError for a stored object (fetch
+        those with the client's ``get_object``)."""
+        if self.data is None:
+            raise ValueError(f"object {self.index} was stored, not answered inline")
+        return base64.b64decode(self.data, validate=True)
+
+    def tensors(self) -> dict[str, Any]:
+        """The inline object decoded (``service.codecs.decode``): ``hidden_states`` in
+        the model dtype, ``token_ids`` and the others as stored. Needs torch."""
+        from service.codecs import decode
+
+        return decode(self.content())[0]
 
 
 class Usage(_Body):

@@ -24,7 +24,7 @@ from service.dataset.options import RunOptions
 
 if TYPE_CHECKING:  # httpx and the rest load with the functions that use them
     from service.dataset.estimate import Estimate
-    from service.dataset.verify import VerifyReport
+    from service.dataset.verify import Checks, VerifyReport
 
 __all__ = [
     "RunOptions",
@@ -50,11 +50,14 @@ def estimate_dataset(options: RunOptions, sample: int = 64) -> Estimate:
     return asyncio.run(estimate_async(options, sample))
 
 
-def verify_dataset(output: str, endpoint: str, api_key: str | None = None) -> VerifyReport:
-    """Check every object a run's manifest names."""
+def verify_dataset(
+    output: str, endpoint: str, api_key: str | None = None, checks: Checks | None = None
+) -> VerifyReport:
+    """Check every object a run's manifest names; ``checks`` adds parity against
+    transformers, token drift and the provenance policy (``service.dataset.verify``)."""
     from service.dataset.verify import verify_async
 
-    return asyncio.run(verify_async(output, endpoint, api_key))
+    return asyncio.run(verify_async(output, endpoint, api_key, checks=checks))
 
 
 def export_speculators(

@@ -27,6 +27,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from service.dataset.export import ExportError
     from service.dataset.inputs import InputError
     from service.dataset.manifest import FingerprintMismatchError
+    from service.dataset.parity import ParityError
     from service.dataset.session import RunError
     from service.dataset.store import OutputError
 
@@ -38,6 +39,7 @@ def user_errors() -> tuple[type[Exception], ...]:
         OutputError,
         EstimateError,
         ExportError,
+        ParityError,
         FileNotFoundError,
         ValidationError,
         ValueError,
@@ -52,6 +54,7 @@ def add_parser(commands: Any) -> None:
     verify = sub.add_parser("verify", help="check every object of a run's manifest")
     verify.add_argument("output", help="the run's --output")
     _common(verify)
+    _verify_checks(verify)
     verify.set_defaults(func=_cmd_verify)
     export = sub.add_parser("export", help="write a run in a trainer's layout")
     export.add_argument("output", help="the run's --output")
@@ -79,6 +82,61 @@ def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
         default=None,
         help="S3-compatible endpoint of an s3:// output; the other S3 settings come from "
         "HSX_STORAGE__S3__* as for the server's objects (e.g. ADDRESSING_STYLE=path)",
+    )
+
+
+def _verify_checks(verify: argparse.ArgumentParser) -> None:
+    verify.add_argument(
+        "--parity",
+        type=int,
+        default=0,
+        metavar="K",
+        help="recompute K sampled rows with transformers and compare each layer "
+        "(writes parity.json into the output)",
+    )
+    verify.add_argument(
+        "--parity-model",
+        default=None,
+        metavar="PATH_OR_HF_ID",
+        help="the served model for --parity and token drift (default: the run's model)",
+    )
+    verify.add_argument("--parity-seed", type=int, default=0, help="seed of the samples")
+    verify.add_argument("--parity-device", choices=["cpu", "cuda"], default="cpu")
+    verify.add_argument(
+        "--parity-tolerance",
+        type=float,
+        default=None,
+        help="largest relative error of a layer (default: by the run's dtype and codec)",
+    )
+    verify.add_argument(
+        "--token-drift",
+        type=int,
+        default=None,
+        metavar="K",
+        help="re-render K sampled messages rows with the model's chat template "
+        "(default: --parity's K; 0: off)",
+    )
+    verify.add_argument(
+        "--allow-mixed-provenance",
+        action="store_true",
+        help="accept a run whose objects carry different hsx.provenance.* metadata",
+    )
+
+
+def checks_of(args: argparse.Namespace) -> Any:
+    """verify's Checks from ``hsx dataset verify`` arguments."""
+    from service.dataset.verify import Checks
+
+    if args.parity < 0 or (args.token_drift or 0) < 0:
+        raise ValueError("--parity and --token-drift take a count >= 0")
+    return Checks(
+        parity=args.parity,
+        parity_model=args.parity_model,
+        parity_seed=args.parity_seed,
+        parity_device=args.parity_device,
+        parity_tolerance=args.parity_tolerance,
+        drift=args.token_drift,
+        allow_mixed_provenance=args.allow_mixed_provenance,
     )
 
 
@@ -198,7 +256,10 @@ def _cmd_verify(settings: Any, args: argparse.Namespace) -> int:
         from service.dataset.verify import verify_async
 
         key = args.api_key or os.environ.get("HSX_API_KEY")
-        report = asyncio.run(verify_async(args.output, args.endpoint, key, s3=_s3(settings, args)))
+        checks = checks_of(args)
+        report = asyncio.run(
+            verify_async(args.output, args.endpoint, key, s3=_s3(settings, args), checks=checks)
+        )
         print(report.text())
         return 0 if report.ok else 1
 

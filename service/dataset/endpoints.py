@@ -24,7 +24,11 @@ class ServerInfo:
 
     def same_model(self, other: ServerInfo) -> bool:
         keys = ("id", "layer_ids", "hidden_size", "dtype", "tokenizer_sha256")
-        return all(getattr(self.card, k) == getattr(other.card, k) for k in keys)
+        if not all(getattr(self.card, k) == getattr(other.card, k) for k in keys):
+            return False
+        # Replicas must serve the same weights; one that does not say cannot be compared.
+        mine, theirs = (s.card.provenance.get("weights_sha256") for s in (self, other))
+        return mine is None or theirs is None or mine == theirs
 
     def describe(self) -> str:
         card = self.card

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.client.models import LayerStatistics
 from service.dataset.store import RunStore
 
 Status = Literal["ok", "skipped", "failed"]
@@ -50,12 +51,17 @@ class Fingerprint(BaseModel):
 
 
 class Job(BaseModel):
-    """``job.json``: the fingerprint and where the run reads from."""
+    """``job.json``: the fingerprint, where the run reads from, and what made the states."""
 
     fingerprint: Fingerprint
     input: str
     input_rows: int
     created: float = Field(default_factory=time.time)
+    provenance: dict[str, str] = Field(
+        default_factory=dict,
+        description="The server's provenance (GET /v1/models) when the run started: "
+        "versions, weights_sha256, layer convention; empty from servers without it.",
+    )
 
 
 class Record(BaseModel):
@@ -74,6 +80,9 @@ class Record(BaseModel):
     found: bool | None = None
     reason: str | None = None
     retryable: bool = False
+    statistics: LayerStatistics | None = Field(
+        None, description="The object's per-layer sums, as the server returned them."
+    )
 
     @property
     def final(self) -> bool:
@@ -97,6 +106,29 @@ async def check_fingerprint(store: RunStore, wanted: Fingerprint, force: bool) -
     raise FingerprintMismatchError(
         f"{store.url} holds a run with other settings ({diff}); "
         "use another --output, or --force to continue it anyway"
+    )
+
+
+#: The provenance key whose change refuses a resume: other weights, other states.
+WEIGHTS = "weights_sha256"
+
+
+async def check_provenance(store: RunStore, served: dict[str, str], force: bool) -> None:
+    """Refuse to resume a run against a server with other weights (unless ``force``).
+
+    Only ``weights_sha256`` refuses: versions may change under a long run (verify
+    reports objects of mixed provenance), other weights may not. A side that does not
+    know its hash (an older server or run) cannot be compared and passes.
+    """
+    job = await load_job(store)
+    if job is None or force:
+        return
+    old, new = job.provenance.get(WEIGHTS), served.get(WEIGHTS)
+    if old is None or new is None or old == new:
+        return
+    raise FingerprintMismatchError(
+        f"{store.url} was run against weights {WEIGHTS} {old[:16]}..., but the server "
+        f"serves {new[:16]}...; use another --output, or --force to continue it anyway"
     )
 
 

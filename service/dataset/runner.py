@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from service.client import AsyncHsxClient, BadResponseError, HsxError, encode_extract
-from service.client.models import ExtractResponse, StoredObject
+from service.client.models import ExtractResponse, LayerStatistics, StoredObject
 from service.dataset.inputs import Row, Source, iter_rows, shard_of
 from service.dataset.manifest import (
     JOB,
@@ -50,6 +50,7 @@ from service.dataset.options import RunOptions
 from service.dataset.progress import Counters, Display
 from service.dataset.recorder import Recorder, count_record
 from service.dataset.replies import error_text, refusal_of
+from service.dataset.statistics import STATISTICS, object_statistics, run_statistics
 from service.dataset.store import OutputError, RunStore
 
 TRANSIENT = {500, 502, 503, 504}
@@ -108,9 +109,12 @@ class Run:
         store: RunStore,
         fingerprint: Fingerprint,
         clients: list[AsyncHsxClient],
+        provenance: dict[str, str] | None = None,
     ) -> None:
         self.options, self.source, self.store = options, source, store
         self.fingerprint = fingerprint
+        #: The server's provenance, recorded in a new (or forced) ``job.json``.
+        self.provenance = provenance or {}
         self.endpoints = [Endpoint(client) for client in clients]
         self.extract_options = options.extract_options()
         where = options.input  # absolute, so verify finds it from anywhere
@@ -169,7 +173,12 @@ class Run:
     async def write_job(self, total: int) -> None:
         """``job.json`` for a new output (or a forced one): the run's first write."""
         if await self.store.read(JOB) is None or self.options.force:
-            job = Job(fingerprint=self.fingerprint, input=self.input_url, input_rows=total)
+            job = Job(
+                fingerprint=self.fingerprint,
+                input=self.input_url,
+                input_rows=total,
+                provenance=self.provenance,
+            )
             try:
                 await self.store.write(JOB, dumps(job))
             except Exception as exc:  # nothing is written yet: a bad --output
@@ -187,6 +196,9 @@ class Run:
         elapsed = time.monotonic() - self.started
         summary = summarise(records, self.shard_rows, self.stopped, elapsed)
         await self.store.write(SUMMARY, dumps(summary))
+        # From the manifest's records, every session's: a resume recounts, never adds twice.
+        stats = run_statistics(records.values(), self.fingerprint.layer_ids)
+        await self.store.write(STATISTICS, dumps(stats))
         return summary
 
     def in_shard(self, row: Row) -> bool:
@@ -422,6 +434,11 @@ class Run:
             return
         if item.done:
             return
+        statistics = obj.statistics
+        if statistics is None and obj.status == "found":
+            statistics = await self.statistics_of(endpoint, obj)
+            if item.done:
+                return
         self.recorder.add(
             Record(
                 row=item.row.index,
@@ -433,9 +450,21 @@ class Run:
                 bytes=obj.bytes,
                 sha256=obj.sha256,
                 found=obj.status == "found",
+                statistics=statistics,
             )
         )
         self.record_done(item)
+
+    async def statistics_of(self, endpoint: Endpoint, obj: StoredObject) -> LayerStatistics | None:
+        """The sums of a found object, which the server sends only for objects it writes
+        (its engine did not run for this one); None if it cannot be read now: the row
+        is stored all the same, and ``statistics.json`` counts it as without sums."""
+        try:
+            data = await endpoint.client.get_object(obj.key)
+            return await asyncio.to_thread(object_statistics, data, self.fingerprint.codec)
+        except Exception as exc:  # statistics never fail a row
+            self.warn_once(f"warning: no statistics for found objects ({describe(exc)})")
+            return None
 
     async def refused(self, endpoint: Endpoint, batch: list[Item], error: HsxError) -> None:
         """A 4xx for the request: the prompt it names fails, the others go again."""

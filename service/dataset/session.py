@@ -13,7 +13,7 @@ import httpx
 from service.client import AsyncHsxClient
 from service.dataset.endpoints import ServerInfo, probe_all
 from service.dataset.inputs import open_source
-from service.dataset.manifest import Fingerprint, Summary, check_fingerprint
+from service.dataset.manifest import Fingerprint, Summary, check_fingerprint, check_provenance
 from service.dataset.options import RunOptions
 from service.dataset.runner import Run
 from service.dataset.store import OutputError, RunStore, local_dir, write_problem
@@ -61,9 +61,10 @@ async def run_dataset_async(options: RunOptions) -> Summary:
         name = options.shard_name()
         store = root.child(name) if name else root
         await check_fingerprint(store, fingerprint, options.force)
+        await check_provenance(store, info.card.provenance, options.force)
         answering = {i.url for i in infos}
         live = [c for c in clients if c.base_url in answering]
-        return await Run(options, source, store, fingerprint, live).run()
+        return await Run(options, source, store, fingerprint, live, info.card.provenance).run()
 
 
 def make_fingerprint(options: RunOptions, info: ServerInfo) -> Fingerprint:

@@ -6,14 +6,22 @@ codec: it exists, its SHA-256 is the manifest's, its tensors
 have the fingerprint's shape and the manifest's token count, its states are finite,
 its ``loss_mask`` holds the manifest's supervised count, and, for rows given as token
 ids, its token ids are the input's.
+
+Across a run directory it also checks that no row's mean token norm is an outlier of
+its layer (``service.dataset.statistics``) and that every object carries the same
+``hsx.provenance.*`` metadata (unless mixed provenance is allowed). On request
+(:class:`Checks`) it compares a sample with transformers (``service.dataset.parity``)
+and re-renders a sample of ``messages`` rows (``service.dataset.drift``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -21,7 +29,49 @@ from service.client import AsyncHsxClient, HsxError
 from service.config import S3StorageSettings
 from service.dataset.inputs import iter_rows, open_source
 from service.dataset.manifest import Job, Record, load_job, load_records
+from service.dataset.objects import decode_tensors
+from service.dataset.statistics import OUTLIER_Z, outliers
 from service.dataset.store import RunStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from service.dataset.parity import ParityReport
+
+#: The prefix of the provenance keys in every object's ``__metadata__``.
+PROVENANCE_PREFIX = "hsx.provenance."
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What ``verify`` checks beyond each object's own checks (the CLI's flags)."""
+
+    #: Rows compared with transformers (0: no parity check).
+    parity: int = 0
+    #: Path or Hugging Face id of the served model (default: the run's model name).
+    parity_model: str | None = None
+    parity_seed: int = 0
+    parity_device: str = "cpu"
+    #: The relative-error bound (default: ``parity.bound_for`` the run's dtype and codec).
+    parity_tolerance: float | None = None
+    #: ``messages`` rows re-rendered for token drift (None: as many as ``parity``).
+    drift: int | None = None
+    allow_mixed_provenance: bool = False
+    outlier_z: float = OUTLIER_Z
+
+    @property
+    def drift_rows(self) -> int:
+        return self.parity if self.drift is None else self.drift
+
+
+@dataclass
+class Checked:
+    """One object's verdict, and what the run-wide checks need from it."""
+
+    problem: str | None = None
+    #: Median token norm per stored layer (the outlier check's measure).
+    norms: list[float] | None = None
+    provenance: dict[str, str] | None = None
 
 
 @dataclass
@@ -33,10 +83,13 @@ class VerifyReport:
     rows: int = 0
     failed: int = 0
     skipped: int = 0
+    #: Messages rows re-rendered for token drift.
+    drift_checked: int = 0
+    parity: ParityReport | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and (self.parity is None or self.parity.ok)
 
     def text(self) -> str:
         head = (
@@ -44,7 +97,12 @@ class VerifyReport:
             f"({self.failed} failed, {self.skipped} skipped rows): "
             f"{len(self.problems)} problems"
         )
-        return "\n".join([head, *self.problems[:50]])
+        lines = [head, *self.problems[:50]]
+        if self.drift_checked:
+            lines.append(f"token drift: re-rendered {self.drift_checked} messages rows")
+        if self.parity is not None:
+            lines += self.parity.lines()
+        return "\n".join(lines)
 
 
 async def run_stores(root: RunStore) -> list[tuple[RunStore, Job]]:
@@ -70,17 +128,56 @@ async def verify_async(
     concurrency: int = 8,
     s3: S3StorageSettings | None = None,
     check_input: bool = True,
+    checks: Checks | None = None,
 ) -> VerifyReport:
-    """Check every object the output's manifest names; see the module docstring."""
+    """Check every object the output's manifest names; see the module docstring.
+
+    With ``checks.parity``, ``parity.json`` is written into the output.
+    """
+    checks = checks or Checks()
     report = VerifyReport()
     root = RunStore(output, s3)
     try:
         async with AsyncHsxClient(endpoint, api_key, timeout=120) as client:
-            for store, job in await run_stores(root):
-                await _check_run(client, store, job, report, concurrency, check_input)
+            runs = await run_stores(root)
+            for store, job in runs:
+                await _check_run(client, store, job, report, concurrency, check_input, checks)
+            if checks.drift_rows:
+                await _check_drift(client, runs, report, checks)
+            if checks.parity:
+                from service.dataset.parity import parity_check
+
+                report.parity = await parity_check(
+                    client,
+                    root,
+                    runs,
+                    checks.parity,
+                    model=checks.parity_model,
+                    seed=checks.parity_seed,
+                    device=checks.parity_device,
+                    tolerance=checks.parity_tolerance,
+                )
     finally:
         await root.close()
     return report
+
+
+async def _check_drift(
+    client: AsyncHsxClient, runs: list[tuple[RunStore, Job]], report: VerifyReport, checks: Checks
+) -> None:
+    """Token drift of each run directory's sampled messages rows (one tokenizer load)."""
+    from service.dataset.drift import drift_check, load_tokenizer, message_rows
+
+    if not any(message_rows(job) for _, job in runs):
+        return  # no messages rows (or no readable input): nothing to load a tokenizer for
+    model = checks.parity_model or runs[0][1].fingerprint.model
+    tokenizer = await asyncio.to_thread(load_tokenizer, model)
+    for store, job in runs:
+        found = await drift_check(
+            client, store, job, tokenizer, checks.drift_rows, checks.parity_seed
+        )
+        report.drift_checked += found.checked
+        report.problems += found.problems
 
 
 async def _check_run(
@@ -90,6 +187,7 @@ async def _check_run(
     report: VerifyReport,
     concurrency: int,
     check_input: bool,
+    checks: Checks,
 ) -> None:
     records = await load_records(store)
     inputs = _input_ids(job) if check_input else {}
@@ -100,7 +198,11 @@ async def _check_run(
     if len(set(keys)) != len(keys):
         report.problems.append(f"{store.url}: a key appears on two rows")
     ok = [r for r in records.values() if r.status == "ok"]
-    await _check_all(client, job, ok, inputs, report, concurrency)
+    checked = await _check_all(client, job, ok, inputs, report, concurrency)
+    norms = {row: c.norms for row, c in checked.items() if c.norms is not None}
+    report.problems += outliers(norms, job.fingerprint.layer_ids, checks.outlier_z)
+    if not checks.allow_mixed_provenance:
+        report.problems += mixed_provenance(store, checked)
 
 
 async def _check_all(
@@ -110,17 +212,37 @@ async def _check_all(
     inputs: dict[int, list[int]],
     report: VerifyReport,
     concurrency: int,
-) -> None:
+) -> dict[int, Checked]:
     limit = asyncio.Semaphore(concurrency)
+    checked: dict[int, Checked] = {}
 
     async def one(record: Record) -> None:
         async with limit:
-            problem = await _check(client, job, record, inputs.get(record.row))
+            result = await _check(client, job, record, inputs.get(record.row))
         report.checked += 1
-        if problem:
-            report.problems.append(f"row {record.row} ({record.key}): {problem}")
+        checked[record.row] = result
+        if result.problem:
+            report.problems.append(f"row {record.row} ({record.key}): {result.problem}")
 
     await asyncio.gather(*(one(r) for r in records))
+    return checked
+
+
+def mixed_provenance(store: RunStore, checked: dict[int, Checked]) -> list[str]:
+    """One line if the run's objects do not all carry the same provenance metadata."""
+    groups: dict[str, list[int]] = {}
+    for row, result in sorted(checked.items()):
+        if result.provenance is not None:
+            groups.setdefault(json.dumps(result.provenance, sort_keys=True), []).append(row)
+    if len(groups) < 2:
+        return []
+    kinds = [json.loads(text) for text in groups]
+    differing = sorted({k for kind in kinds for k in kind if len({d.get(k) for d in kinds}) > 1})
+    sizes = ", ".join(f"{len(rows)} rows (first: row {rows[0]})" for rows in groups.values())
+    return [
+        f"{store.url}: objects of {len(groups)} provenances ({sizes}) differ in "
+        f"{', '.join(differing)}; pass --allow-mixed-provenance to accept them"
+    ]
 
 
 def _input_ids(job: Job) -> dict[int, list[int]]:
@@ -136,38 +258,76 @@ def _input_ids(job: Job) -> dict[int, list[int]]:
     }
 
 
-async def _check(
-    client: AsyncHsxClient, job: Job, record: Record, ids: list[int] | None
-) -> str | None:
+async def _fetch(client: AsyncHsxClient, record: Record) -> tuple[bytes | None, str | None]:
+    """The object's bytes, checked against the manifest's SHA-256, or the problem."""
     try:
         data = await client.get_object(record.key or "")
     except httpx.HTTPError as exc:
-        return f"cannot read: {exc}"
+        return None, f"cannot read: {exc}"
     except HsxError as exc:
-        return f"GET answered {exc.status}"
+        return None, f"GET answered {exc.status}"
     if hashlib.sha256(data).hexdigest() != record.sha256:
-        return "checksum differs from the manifest"
+        return None, "checksum differs from the manifest"
+    return data, None
+
+
+async def read_states(
+    client: AsyncHsxClient, job: Job, record: Record
+) -> tuple[torch.Tensor | None, list[int] | None, str | None]:
+    """A row's decoded states [T, L, H] and token ids, or why they cannot be read."""
+    data, problem = await _fetch(client, record)
+    if data is None:
+        return None, None, problem
+    try:
+        tensors = await asyncio.to_thread(decode_tensors, data, job.fingerprint.codec)
+    except Exception as exc:
+        return None, None, f"not a safetensors object: {exc}"
+    states, tokens = tensors.get("hidden_states"), tensors.get("token_ids")
+    if states is None or tokens is None:
+        return None, None, "no hidden_states or token_ids"
+    return states, [int(t) for t in tokens.tolist()], None
+
+
+async def _check(
+    client: AsyncHsxClient, job: Job, record: Record, ids: list[int] | None
+) -> Checked:
+    data, problem = await _fetch(client, record)
+    if data is None:
+        return Checked(problem)
     return await asyncio.to_thread(_check_tensors, data, job, record, ids)
 
 
-def _tensors(data: bytes, codec: str) -> dict[str, Any]:
-    """The object's tensors, its states in the model dtype whatever the codec."""
-    if codec == "raw":
-        from safetensors.torch import load
+def provenance_of(data: bytes) -> dict[str, str]:
+    """The ``hsx.provenance.*`` entries of a safetensors object's ``__metadata__``
+    (names without the prefix), read from its header alone."""
+    (length,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+    return {
+        k.removeprefix(PROVENANCE_PREFIX): str(v)
+        for k, v in metadata.items()
+        if k.startswith(PROVENANCE_PREFIX)
+    }
 
-        return dict(load(data))
-    from service.codecs import decode
 
-    return dict(decode(data)[0])
+def _check_tensors(data: bytes, job: Job, record: Record, ids: list[int] | None) -> Checked:
+    try:
+        tensors = decode_tensors(data, job.fingerprint.codec)
+        provenance = provenance_of(data)
+    except Exception as exc:
+        return Checked(f"not a safetensors object: {exc}")
+    problem = _tensor_problem(tensors, job, record, ids)
+    if problem is not None:
+        return Checked(problem, provenance=provenance)
+    states = tensors["hidden_states"].double()
+    norms = states.norm(dim=-1).median(dim=0).values.tolist() if states.shape[0] else None
+    return Checked(None, norms, provenance)
 
 
-def _check_tensors(data: bytes, job: Job, record: Record, ids: list[int] | None) -> str | None:
+def _tensor_problem(
+    tensors: dict[str, Any], job: Job, record: Record, ids: list[int] | None
+) -> str | None:
     import torch
 
-    try:
-        tensors = _tensors(data, job.fingerprint.codec)
-    except Exception as exc:
-        return f"not a safetensors object: {exc}"
     states, tokens = tensors.get("hidden_states"), tensors.get("token_ids")
     if states is None or tokens is None:
         return "no hidden_states or token_ids"

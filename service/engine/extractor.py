@@ -28,7 +28,7 @@ from service.engine.errors import (
 )
 from service.engine.front_end import VllmFrontEnd
 from service.engine.provenance import Provenance, build_provenance
-from service.engine.wire import Completion, Extraction, RequestParams
+from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
 from service.metrics import ExtractorMetrics
 from service.storage import Storage
 from service.storage.keys import is_idempotent_key, new_object_key
@@ -174,6 +174,8 @@ class Extractor:
         include_output_tokens: bool = False,
         metadata: Mapping[str, str] | None = None,
         loss_spans: Sequence[tuple[int, int]] | None = None,
+        tokens: TokenSelection = "all",
+        inline_bytes: int | None = None,
     ) -> RequestParams:
         """Parameters of one prompt for :meth:`extract`, checked against this server, for
         callers outside the API (tests, benchmarks; the API builds its own once per
@@ -188,6 +190,8 @@ class Extractor:
             loss_spans=None if loss_spans is None else tuple(loss_spans),
             codec=chosen,
             layers=None if layers is None else tuple(layers),
+            tokens=tokens,
+            inline_bytes=inline_bytes,
         )
 
     async def extract(
@@ -250,7 +254,9 @@ class Extractor:
         Except under an idempotent key: the object is complete, and what a retry of
         the prompt looks for.
         """
-        if completion.stored is not None and not is_idempotent_key(completion.key):
+        stored = completion.stored
+        # An inline answer was written nowhere: nothing to remove.
+        if stored is not None and stored.data is None and not is_idempotent_key(completion.key):
             with contextlib.suppress(Exception):
                 await self._storage.delete(completion.key)
 

@@ -40,6 +40,23 @@ class PendingSave:
     """Positions in the cache's layer dimension of the layers to store; None: all."""
     loss_spans: tuple[Span, ...] | None = None
     """Supervised ``[start, end)`` ranges of ``token_ids``: write a ``loss_mask``."""
+    ttl_s: int | None = None
+    """Seconds the object lives once published (``wire.RequestParams.ttl_s``)."""
+    positions: tuple[int, ...] | None = None
+    """The positions of ``token_ids`` whose states are copied (``wire.RequestParams.tokens``);
+    None: all of them. Only these rows ever leave the cache."""
+    pooled: bool = False
+    """Store the mean of the ``positions``' states (one row) instead of the rows."""
+    inline_bytes: int | None = None
+    """Hand the object back in its completion instead of writing it, up to this many
+    bytes (``wire.RequestParams.inline_bytes``); None: write it to storage."""
+
+    @property
+    def rows(self) -> int:
+        """Rows of the stored ``hidden_states``: 1 when pooled, else the positions'."""
+        if self.pooled:
+            return 1
+        return len(self.token_ids) if self.positions is None else len(self.positions)
 
 
 @dataclass(frozen=True)

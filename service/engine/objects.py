@@ -4,8 +4,15 @@ Tensors ``hidden_states`` [num_tokens, num_layers, hidden_size] (model dtype) an
 ``token_ids`` int64 [num_tokens], the names and layout of vLLM's example connector, so
 existing loaders (speculators) read our files; ``loss_mask`` uint8 [num_tokens] (aligned
 with ``token_ids``, unshifted) when the request asked for one. ``__metadata__`` holds
-strings only. Other codecs (``service.codecs``) change how the states are stored;
-``hsx.codec`` in the metadata says which one, and ``service.codecs.decode`` reads any.
+strings only.
+
+Under a token selection (``tokens`` other than ``all``) ``token_ids`` and ``loss_mask``
+still cover every stored token, so a reader can align the int64 ``positions`` tensor
+(the positions kept, or those a mean averaged over) with them; ``hidden_states`` holds
+one row per position, or one row for a mean, and ``hsx.tokens`` records the selection.
+
+Other codecs (``service.codecs``) change how the states are stored; ``hsx.codec`` in
+the metadata says which one, and ``service.codecs.decode`` reads any.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from service import codecs
-from service.codecs import CODEC_KEY, CODEC_VERSION_KEY, DECODED_FROM_KEY, Codec
+from service.codecs import CODEC_KEY, CODEC_VERSION_KEY, DECODED_FROM_KEY, TOKENS_KEY, Codec
 from service.engine.provenance import METADATA_PREFIX
 
 if TYPE_CHECKING:
@@ -33,6 +40,7 @@ RESERVED_KEYS = frozenset(
         CODEC_KEY,
         CODEC_VERSION_KEY,
         DECODED_FROM_KEY,
+        TOKENS_KEY,
     }
 )
 #: Key prefixes we own (every ``hsx.provenance.*`` key, known or not on this server).
@@ -80,18 +88,22 @@ def serialize_parts(
     metadata: Mapping[str, str],
     prepared: Mapping[str, Any] | None = None,
     loss_mask: Any = None,
+    positions: Any = None,
 ) -> list[bytes | memoryview]:
     """One object's safetensors bytes as [header, tensor memory...], no tensor copied
     (``service.codecs.pack_parts``); what the writer hands to storage. Tensors must be
     on the CPU.
 
     ``prepared``: the codec's first stage already ran on the device (CUDA), these are
-    its tensors; otherwise it runs here, on ``hidden_states``.
+    its tensors; otherwise it runs here, on ``hidden_states``. ``positions``: the
+    selected token positions (int64), for an object under a token selection.
     """
     import torch
 
     tensors = prepared if prepared is not None else codecs.prepare(codec, hidden_states)
     extra = {} if loss_mask is None else {"loss_mask": loss_mask.to(torch.uint8)}
+    if positions is not None:
+        extra["positions"] = positions.to(torch.int64)
     return codecs.pack_parts(codec, tensors, token_ids, metadata, extra)
 
 

@@ -10,8 +10,9 @@ Three messages cross it, each a pydantic model validated where it is read:
   EngineCore side when the request finishes). New per-request options are fields with
   defaults here.
 * :class:`Completion`: worker -> API process over the completion channel, one per
-  object: the :class:`StoredObject` or a :class:`WriteFailure`, plus the storage work
-  the worker did since its last message (for ``/metrics``).
+  object: the :class:`StoredObject` (holding the object's bytes when it is answered
+  inline) or a :class:`WriteFailure`, plus the storage work the worker did since its
+  last message (for ``/metrics``).
 
 :class:`Extraction` (what ``Extractor.extract`` returns, and what the API answers from)
 is the :class:`StoredObject` plus the engine's view of the prompt, so the object's
@@ -20,7 +21,8 @@ fields exist once. Nothing here imports torch or vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -31,10 +33,14 @@ from service.config import StorageSettings
 from service.engine.provenance import Provenance
 from service.masks import Span
 from service.storage.base import StorageOp
+from service.storage.expiry import MAX_TTL_S
 from service.storage.keys import validate_key
 
 #: Key of our per-request parameters in ``SamplingParams.extra_args``.
 REQUEST_ARG = "hsx"
+#: Bound of a token window's indices: past any context length, and small enough that
+#: huge integers are refused by the schema rather than met in arithmetic.
+MAX_TOKEN_INDEX = 1 << 31
 
 
 class _Message(BaseModel):
@@ -69,6 +75,73 @@ class ConnectorConfig(_Message):
         return cls.model_validate(dict(extra))
 
 
+class TokenWindow(_Message):
+    """``[start, end)`` over the stored tokens; a negative index counts from the end."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    start: int = Field(ge=-MAX_TOKEN_INDEX, le=MAX_TOKEN_INDEX)
+    end: int = Field(ge=-MAX_TOKEN_INDEX, le=MAX_TOKEN_INDEX)
+
+    def bounds(self, num_stored: int) -> tuple[int, int]:
+        """``[start, end)`` as absolute positions among ``num_stored`` tokens.
+
+        Raises ValueError for a window that is empty or reaches outside them.
+        """
+        start = self.start + num_stored if self.start < 0 else self.start
+        end = self.end + num_stored if self.end < 0 else self.end
+        if not 0 <= start < end <= num_stored:
+            raise ValueError(
+                f"tokens: window [{self.start}, {self.end}) is empty or outside the "
+                f"{num_stored} stored tokens"
+            )
+        return start, end
+
+
+#: Which stored token positions an object keeps (``docs/design.md``, "Token selection").
+TokenSelection = Literal["all", "last", "mean", "mean_loss"] | TokenWindow
+
+
+def selected_positions(
+    tokens: TokenSelection,
+    num_prompt: int,
+    num_stored: int,
+    loss_spans: Sequence[tuple[int, int]] | None,
+) -> tuple[int, ...] | None:
+    """The stored positions ``tokens`` keeps (for ``mean``/``mean_loss``: those averaged
+    over), or None for ``all``. ``loss_spans`` are over the stored tokens.
+
+    Raises ValueError (naming ``tokens``) for a selection that keeps nothing.
+    """
+    if tokens == "all":
+        return None
+    if tokens == "last":
+        positions: Sequence[int] = (num_stored - 1,) if num_stored else ()
+    elif tokens == "mean":
+        positions = range(num_prompt)
+    elif tokens == "mean_loss":
+        if loss_spans is None:
+            raise ValueError("tokens: 'mean_loss' needs a loss mask (set loss)")
+        positions = sorted({i for start, end in loss_spans for i in range(start, end)})
+    else:
+        positions = range(*tokens.bounds(num_stored))
+    if not positions:
+        raise ValueError(f"tokens: {selection_json(tokens)} selects no token")
+    return tuple(positions)
+
+
+def selection_json(tokens: TokenSelection) -> str:
+    """The selection as JSON: what an object's ``hsx.tokens`` metadata records."""
+    if isinstance(tokens, TokenWindow):
+        return json.dumps({"start": tokens.start, "end": tokens.end})
+    return json.dumps(tokens)
+
+
+def is_pooled(tokens: TokenSelection) -> bool:
+    """Whether the selection stores one mean row instead of the positions' rows."""
+    return tokens in ("mean", "mean_loss")
+
+
 class RequestParams(_Message):
     """hsx's parameters of one engine request (set by the Extractor, never by a client)."""
 
@@ -85,6 +158,13 @@ class RequestParams(_Message):
     """How the object stores its states (``service.codecs``)."""
     layers: tuple[int, ...] | None = None
     """The served layer ids to store, in the server's order; None: all."""
+    tokens: TokenSelection = "all"
+    """Which stored token positions the object keeps (:func:`selected_positions`)."""
+    inline_bytes: int | None = Field(None, ge=0)
+    """Answer inline: the object's bytes come back in its completion, nothing is written
+    to storage, and an object over this many bytes fails. None: write to storage."""
+    ttl_s: int | None = Field(None, ge=1, le=MAX_TTL_S)
+    """Seconds the object lives from when the worker publishes it; None: forever."""
 
     @field_validator("key")
     @classmethod
@@ -114,7 +194,13 @@ class RequestParams(_Message):
 
 
 class StoredObject(_Message):
-    """One durable object: where it is, what it holds, what it took."""
+    """One durable object: where it is, what it holds, what it took; or, answered
+    inline (``RequestParams.inline_bytes``), the object itself in ``data``."""
+
+    # The inline bytes cross the (JSON) completion channel as base64.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
 
     key: str
     uri: str
@@ -123,7 +209,8 @@ class StoredObject(_Message):
     sha256: str
     num_tokens: int
     shape: tuple[int, ...]
-    """``hidden_states`` shape: [num_tokens, num_layers, hidden_size]."""
+    """``hidden_states`` shape: [rows, num_layers, hidden_size]; rows is ``num_tokens``,
+    or fewer under a token selection (``RequestParams.tokens``)."""
     num_loss_tokens: int | None = None
     """Tokens the stored ``loss_mask`` supervises; None when no mask was asked for."""
     layer_ids: tuple[int, ...] = ()
@@ -135,6 +222,9 @@ class StoredObject(_Message):
     """Copy-out of the states from the KV cache to host memory."""
     write_s: float = 0.0
     """Validating, serialising and writing the object."""
+    data: bytes | None = None
+    """The object's bytes when answered inline (``uri`` is then empty and nothing is
+    stored under ``key``); None for a stored object."""
 
 
 FailureType = Literal["storage_error", "invalid_hidden_states", "invalid_request", "internal_error"]

@@ -9,15 +9,18 @@ slows down when storage is slow. Objects are encoded (``service.codecs``) here, 
 forward pass; once encoded, an object counts at its encoded size.
 
 Every object ends in exactly one :class:`~service.engine.wire.Completion` to the API
-process. Each one also carries the storage calls made since the previous one (the
-worker's storage is instrumented like the API's, see ``service.metrics``) and the
-in-flight bytes after its own were released, so the API's gauge reads 0 once idle.
+process; an object answered inline (``return: inline``) is not written at all, its
+bytes travel in that completion instead. Each one also carries the storage calls made
+since the previous one (the worker's storage is instrumented like the API's, see
+``service.metrics``) and the in-flight bytes after its own were released, so the API's
+gauge reads 0 once idle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -34,6 +37,7 @@ from service.config import StorageSettings
 from service.engine.completion import CompletionSender
 from service.engine.errors import (
     ExtractionError,
+    InvalidPromptError,
     InvalidStatesError,
     StorageWriteError,
 )
@@ -42,6 +46,7 @@ from service.engine.objects import loss_mask, serialize_parts
 from service.engine.statistics import layer_statistics
 from service.engine.wire import Completion, FailureType, StoredObject, WriteFailure
 from service.storage import ObjectRef, StorageError, StorageOp, open_storage
+from service.storage.expiry import expires_at
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +192,35 @@ class _Encoded:
             write_s=write_s,
         )
 
+    def inline(self, key: str, limit: int, write_s: float) -> StoredObject:
+        """The object answered inline: its bytes, written nowhere (``uri`` empty).
+
+        Raises InvalidPromptError (``invalid_request``) past ``limit`` bytes: the API
+        refuses the requests it can size beforehand, this catches the rest (the header,
+        a generation shorter than its bound).
+        """
+        if self.nbytes > limit:
+            raise InvalidPromptError(
+                f"return: the inline object is {self.nbytes} bytes, over the "
+                f"{limit} of limits.max_inline_bytes; ask for return 'storage', fewer "
+                "tokens (tokens) or layers, or a smaller codec"
+            )
+        data = b"".join(self.parts)
+        return StoredObject(
+            key=key,
+            uri="",
+            size=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            num_tokens=self.num_tokens,
+            shape=self.shape,
+            num_loss_tokens=self.num_loss_tokens,
+            layer_ids=self.layer_ids,
+            statistics=self.statistics,
+            copy_s=self.copy_s,
+            write_s=write_s,
+            data=data,
+        )
+
 
 def encode(job: WriteJob) -> _Encoded:
     """Wait for ``job``'s copy, validate, serialise: one thread hop for all three.
@@ -209,7 +243,10 @@ def encode(job: WriteJob) -> _Encoded:
     mask = None if save.loss_spans is None else loss_mask(save.loss_spans, len(save.token_ids))
     token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
     prepared = tensors if job.copy.prepared else None
-    parts = serialize_parts(save.codec, job.copy.states, token_ids, save.metadata, prepared, mask)
+    positions = None if save.positions is None else torch.tensor(save.positions, dtype=torch.int64)
+    parts = serialize_parts(
+        save.codec, job.copy.states, token_ids, save.metadata, prepared, mask, positions
+    )
     return _Encoded(
         parts=parts,
         copy_s=copy_s,
@@ -258,19 +295,26 @@ class WriterPool:
 
     async def _write(self, job: WriteJob) -> None:
         key, nbytes, release = job.key, job.nbytes, job.copy.release
+        inline_bytes = job.save.inline_bytes
         stored: StoredObject | None = None
         failure: WriteFailure | None = None
         async with self._limit:
             start = time.perf_counter()
             try:
                 encoded = await asyncio.to_thread(encode, job)
+                ttl_s = job.save.ttl_s
                 # Encoded: the host copy can go, unless the parts are its memory (raw,
                 # and on CUDA the device-encoded codecs: the parts view the pinned
                 # buffer, so it is released only after the put, in `finally`).
                 del job
                 nbytes = self.budget.shrink(nbytes, encoded.nbytes)
-                ref = await self._storage.put(key, encoded.parts)
-                stored = encoded.stored(key, ref, time.perf_counter() - start)
+                if inline_bytes is not None:
+                    stored = encoded.inline(key, inline_bytes, time.perf_counter() - start)
+                else:
+                    # The expiry counts from publishing, when the object becomes readable.
+                    expiry = expires_at(ttl_s)
+                    ref = await self._storage.put(key, encoded.parts, expires_at=expiry)
+                    stored = encoded.stored(key, ref, time.perf_counter() - start)
             except Exception as exc:
                 failure = _failure(exc)
                 log.warning("hidden-state object %s not written: %s", key, failure.message)
@@ -317,6 +361,8 @@ def _failure(exc: Exception) -> WriteFailure:
     ``service.engine.errors`` class."""
     if isinstance(exc, InvalidStatesError):
         return WriteFailure(type=_type_of(exc), message=str(exc), reason=exc.reason)
+    if isinstance(exc, InvalidPromptError):  # the request's own limit (inline size)
+        return WriteFailure(type=_type_of(exc), message=str(exc))
     error = StorageWriteError if isinstance(exc, StorageError) else ExtractionError
     return WriteFailure(type=_type_of(error), message=f"{type(exc).__name__}: {exc}")
 

@@ -30,6 +30,7 @@ from service.storage.base import (
     StorageObserver,
     StorageOp,
     StorageUnavailableError,
+    Swept,
 )
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ __all__ = [
     "StorageObserver",
     "StorageOp",
     "StorageUnavailableError",
+    "Swept",
     "backend_factory",
     "open_backend",
     "open_storage",

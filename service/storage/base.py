@@ -7,7 +7,11 @@ A backend stores opaque bytes under server-made keys. Its contract:
   ``put`` takes one buffer or a sequence of them (stored one after another), so a
   caller with a header and tensors' memory never joins them into one copy.
 * ``get`` / ``head`` raise :class:`NotFoundError` for a missing key.
-* ``delete`` is idempotent.
+* ``delete`` is idempotent; ``delete_many`` deletes a batch of keys the same way.
+* ``put(..., expires_at=)`` publishes an object that expires: from that time on
+  ``get``/``head``/``exists``/``open_read`` raise :class:`NotFoundError` and ``list``
+  leaves it out, at once, whether or not its bytes are gone yet (``clean`` removes
+  them where the store does not do it itself). See ``service.storage.expiry``.
 * ``list`` pages through the keys under a prefix in ascending key order, starting
   after a given key (S3's ``StartAfter``), so a page boundary never skips or repeats.
   It lists only valid keys (``validate_key``, the check ``get`` applies): an entry
@@ -69,6 +73,7 @@ __all__ = [
     "StorageObserver",
     "StorageOp",
     "StorageUnavailableError",
+    "Swept",
     "ThreadedStorage",
     "check_listing",
 ]
@@ -105,6 +110,15 @@ class ObjectPage:
 
     objects: tuple[ObjectInfo, ...]
     next_after: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Swept:
+    """What one ``clean`` removed: expired objects, and orphans (temp files and expiry
+    records no writer or object owns any more)."""
+
+    expired: int = 0
+    orphan: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +221,12 @@ class Storage(abc.ABC):
         """Full URI of ``key`` (``file:///...``, ``s3://bucket/...``). Raises InvalidKeyError."""
 
     @abc.abstractmethod
-    async def put(self, key: str, data: Data) -> ObjectRef:
+    async def put(self, key: str, data: Data, *, expires_at: int | None = None) -> ObjectRef:
         """Publish ``data`` (one buffer, or buffers one after another) under ``key``
         atomically and durably. The buffers are not used after it returns.
+
+        ``expires_at`` (UTC unix seconds) makes the object expire then: it is never
+        published without it (``service.storage.expiry``).
 
         Raises AlreadyExistsError (create-only), InvalidKeyError, or StorageError; on any
         error no object exists under ``key``.
@@ -230,9 +247,28 @@ class Storage(abc.ABC):
     async def delete(self, key: str) -> None:
         """Remove the object; a missing key is not an error."""
 
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove every object of ``keys`` (missing ones are not an error).
+
+        All keys are validated before any is deleted. The default deletes one by one; a
+        store with a batch call (S3's DeleteObjects) uses it.
+        """
+        for key in keys:
+            validate_key(key)
+        for key in keys:
+            await self.delete(key)
+
     @abc.abstractmethod
     async def ping(self) -> None:
         """Check that the store is reachable and writable. Raises StorageUnavailableError."""
+
+    async def clean(self) -> Swept:
+        """Remove expired objects' bytes and orphans; what the API's sweeper calls.
+
+        The default removes nothing: a store that expires objects itself (S3, by the
+        bucket's lifecycle rules on the expiry tags) needs no sweep.
+        """
+        return Swept()
 
     async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
         """Objects whose keys start with ``prefix``, in ascending key order, after ``after``.
@@ -288,8 +324,8 @@ class ThreadedStorage(Storage):
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def put(self, key: str, data: Data) -> ObjectRef:
-        return await self._run(self._publish, key, Source(data=data))
+    async def put(self, key: str, data: Data, *, expires_at: int | None = None) -> ObjectRef:
+        return await self._run(self._publish, key, Source(data=data), expires_at)
 
     async def get(self, key: str) -> bytes:
         return await self._run(self._get, key)
@@ -329,7 +365,7 @@ class ThreadedStorage(Storage):
         self._pool.shutdown(wait=True)
 
     @abc.abstractmethod
-    def _publish(self, key: str, source: Source) -> ObjectRef: ...
+    def _publish(self, key: str, source: Source, expires_at: int | None) -> ObjectRef: ...
 
     @abc.abstractmethod
     def _get(self, key: str) -> bytes: ...

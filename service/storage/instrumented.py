@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from service.storage.base import (
@@ -24,6 +24,7 @@ from service.storage.base import (
     StorageError,
     StorageObserver,
     StorageOp,
+    Swept,
 )
 
 
@@ -82,9 +83,12 @@ class InstrumentedStorage(Storage):
     def presigned_url(self, key: str) -> str | None:
         return self.inner.presigned_url(key)
 
-    async def put(self, key: str, data: Data) -> ObjectRef:
+    async def put(self, key: str, data: Data, *, expires_at: int | None = None) -> ObjectRef:
         async with self._observe("put") as counts:
-            ref = await self.inner.put(key, data)
+            # Only an expiring put names the argument, so a backend plugged in by a
+            # factory (``storage_factory``) before expiry existed still takes the others.
+            expiry = {} if expires_at is None else {"expires_at": expires_at}
+            ref = await self.inner.put(key, data, **expiry)
             counts["written"] = ref.size
         return ref
 
@@ -127,6 +131,15 @@ class InstrumentedStorage(Storage):
     async def delete(self, key: str) -> None:
         async with self._observe("delete"):
             await self.inner.delete(key)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """One ``delete`` op for the whole batch."""
+        async with self._observe("delete"):
+            await self.inner.delete_many(keys)
+
+    async def clean(self) -> Swept:
+        """Not an op: the sweeper counts what it removed (``hsx_storage_swept_objects``)."""
+        return await self.inner.clean()
 
     async def ping(self) -> None:
         async with self._observe("ping"):

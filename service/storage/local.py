@@ -4,6 +4,22 @@ Publishing follows google/renameio: write a temp file in the destination directo
 fsync it, move it into place, fsync the directory. Temp names start with ``.hsx-tmp-``,
 which no valid key segment can (keys start with a letter or digit), so the sweep that
 removes stale temp files can never touch a published object.
+
+Expiry (``put(..., expires_at=)``) is kept in a sidecar beside the object: a file named
+``.hsx-exp-<object's name>`` holding the unix seconds as ASCII. A read opens that tiny
+file (a failed open for an object that never expires), so an expired object is a
+NotFoundError at once without reading a byte of it; the sidecar's name cannot be a key
+segment, so listings never show it and no key can overwrite it. Why not in the object:
+its safetensors ``__metadata__`` would need a header read per request and could not be
+changed later; xattrs are not kept by every file system (tmpfs before 6.6, some NFS
+servers) nor by copies; mtime is the listing's publish time. The sidecar is written
+before the object is linked into place, so an object is never visible without its
+expiry, and a put without expiry removes a stale sidecar a crashed writer left.
+``clean`` (the API's sweeper) walks the root: it removes expired objects with their
+sidecars, and orphans older than ``stale_temp_s``: temp files, and sidecars with no
+object. A create-only put may take an expired object's key (it is gone for readers);
+both it and the sweep move the expired file aside and check it is the one judged
+expired, so a fresh object linked in between is never removed.
 """
 
 from __future__ import annotations
@@ -15,6 +31,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from itertools import islice
@@ -35,13 +52,30 @@ from service.storage.base import (
     Source,
     StorageError,
     StorageUnavailableError,
+    Swept,
     ThreadedStorage,
 )
+from service.storage.expiry import is_expired
 from service.storage.keys import is_key, is_segment, validate_key
 
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".hsx-tmp-"
+EXPIRY_PREFIX = ".hsx-exp-"
+
+
+def expiry_path(path: Path) -> Path:
+    """The sidecar that holds the expiry of the object at ``path``."""
+    return path.with_name(EXPIRY_PREFIX + path.name)
+
+
+def read_expiry(path: Path) -> int | None:
+    """The expiry recorded for the object at ``path``; None when it has none (or the
+    record is unreadable: an object is never made to vanish by a damaged sidecar)."""
+    try:
+        return int(expiry_path(path).read_bytes())
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
 
 
 def root_from_url(url: str) -> Path:
@@ -115,7 +149,7 @@ class LocalStorage(ThreadedStorage):
             path = self.path_for(key)
         except InvalidKeyError:
             raise NotFoundError("no object under this key", operation=operation, key=key) from None
-        if not path.is_file():
+        if not path.is_file() or is_expired(read_expiry(path)):
             raise NotFoundError("no object under this key", operation=operation, key=key)
         return path
 
@@ -154,7 +188,7 @@ class LocalStorage(ThreadedStorage):
 
     # -- blocking work ------------------------------------------------------------------
 
-    def _publish(self, key: str, source: Source) -> ObjectRef:
+    def _publish(self, key: str, source: Source, expires_at: int | None) -> ObjectRef:
         final = self.path_for(key)
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +198,10 @@ class LocalStorage(ThreadedStorage):
         tmp, moved = Path(tmp_name), False
         try:
             digest = self._write_all(fd, source)
+            if self.create_only:
+                # Before the sidecar is touched: a live object's sidecar is its own.
+                self._clear_expired(final, key)
+            self._record_expiry(final, expires_at)
             self._move_into_place(tmp, final, key)
             moved = True
             self._sync_dir(final.parent)
@@ -179,6 +217,53 @@ class LocalStorage(ThreadedStorage):
                 raise _os_error(exc, "put", key) from exc
             raise
         return ObjectRef(key, final.as_uri(), source.size, digest)
+
+    def _clear_expired(self, final: Path, key: str) -> None:
+        """Refuse a key a live object holds; free one an expired object holds (it is
+        gone for readers, so its key may be published again: a ``custom_id`` retried
+        after its object expired, before the sweep)."""
+        if final.exists() and not self._remove_expired(final):
+            raise AlreadyExistsError("an object already exists under this key", key=key)
+
+    def _remove_expired(self, final: Path) -> bool:
+        """Remove the object at ``final`` if it has expired; whether it did.
+
+        The file is moved aside atomically and checked to be the one judged expired: a
+        fresh object another writer linked in between is put back, never removed.
+        """
+        try:
+            judged = final.lstat()
+        except FileNotFoundError:
+            return False
+        if not is_expired(read_expiry(final)):
+            return False
+        aside = final.with_name(f"{TEMP_PREFIX}expired-{uuid.uuid4().hex}")
+        try:
+            os.rename(final, aside)
+        except FileNotFoundError:
+            return False  # someone else removed it first
+        ours = aside.lstat().st_ino == judged.st_ino
+        if not ours:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, final)
+        aside.unlink()
+        return ours
+
+    def _record_expiry(self, final: Path, expires_at: int | None) -> None:
+        """Write (atomically) or remove the sidecar of the object about to be published."""
+        sidecar = expiry_path(final)
+        if expires_at is None:
+            with contextlib.suppress(FileNotFoundError):
+                sidecar.unlink()  # a crashed writer's: it must not expire this object
+            return
+        fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=final.parent)
+        try:
+            self._write_all(fd, Source(data=str(int(expires_at)).encode()))
+            os.replace(tmp_name, sidecar)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
 
     def _write_all(self, fd: int, source: Source) -> str:
         digest = hashlib.sha256()
@@ -230,12 +315,15 @@ class LocalStorage(ThreadedStorage):
             raise _os_error(exc, "head", key) from exc
 
     def _delete(self, key: str) -> None:
-        try:
-            self.path_for(key).unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise _os_error(exc, "delete", key) from exc
+        path = self.path_for(key)
+        # The object first: a sidecar left by a failure is an orphan the sweep removes.
+        for file in (path, expiry_path(path)):
+            try:
+                file.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise _os_error(exc, "delete", key) from exc
 
     def _ping(self) -> None:
         if not self.root.is_dir() or not os.access(self.root, os.W_OK | os.X_OK):
@@ -244,11 +332,14 @@ class LocalStorage(ThreadedStorage):
     def _list(self, prefix: str, limit: int, after: str | None) -> ObjectPage:
         found = list(islice(self._walk(self.root, "", prefix, after), limit + 1))
         objects = []
+        now = time.time()
         for key in found[:limit]:
             try:
                 stat = (self.root / key).stat()
             except FileNotFoundError:
                 continue  # deleted since the walk saw it
+            if is_expired(read_expiry(self.root / key), now):
+                continue  # gone for readers, even before the sweep
             created = datetime.fromtimestamp(stat.st_mtime, UTC)
             objects.append(ObjectInfo(key, stat.st_size, created))
         more = len(found) > limit
@@ -287,6 +378,42 @@ class LocalStorage(ThreadedStorage):
                 and is_key(key)
             ):
                 yield key
+
+    async def clean(self) -> Swept:
+        """Remove expired objects and orphans older than ``stale_temp_s`` (module doc)."""
+        return await self._run(self._clean, time.time())
+
+    def _clean(self, now: float) -> Swept:
+        expired = orphan = 0
+        stale = now - self.stale_temp_s
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                path = Path(dirpath, name)
+                with contextlib.suppress(FileNotFoundError):
+                    if name.startswith(TEMP_PREFIX):
+                        if path.lstat().st_mtime <= stale:
+                            path.unlink()
+                            orphan += 1
+                    elif name.startswith(EXPIRY_PREFIX):
+                        expired_now, orphaned = self._clean_one(path, now, stale)
+                        expired, orphan = expired + expired_now, orphan + orphaned
+        return Swept(expired=expired, orphan=orphan)
+
+    def _clean_one(self, sidecar: Path, now: float, stale: float) -> tuple[int, int]:
+        """(expired, orphan) removed for one sidecar: its object if expired, or the
+        sidecar alone once it is older than the grace period and has no object (a
+        writer between its sidecar and its link must not lose its expiry)."""
+        target = sidecar.with_name(sidecar.name.removeprefix(EXPIRY_PREFIX))
+        if not target.is_file():
+            if sidecar.lstat().st_mtime <= stale:
+                sidecar.unlink()
+                return 0, 1
+            return 0, 0
+        if not is_expired(read_expiry(target), now) or not self._remove_expired(target):
+            return 0, 0
+        if is_expired(read_expiry(target), now):  # not a new writer's record by now
+            sidecar.unlink()
+        return 1, 0
 
     def sweep(self, older_than_s: float | None = None) -> int:
         """Remove temp files older than ``older_than_s`` (default: the configured age).

@@ -6,6 +6,16 @@ publishes only at CompleteMultipartUpload). Every request carries a checksum the
 verifies; the whole object's SHA-256 is also kept as user metadata (``x-amz-meta-sha256``)
 so ``head`` reports it and ``get`` checks it. Credentials come only from the standard
 AWS chain.
+
+An object that expires (``put(..., expires_at=)``) carries its expiry twice, both set in
+the same request that publishes it (PutObject, or CreateMultipartUpload for a
+multipart one), so it never exists without them: as object tags, ``hsx-expires-at``
+(unix seconds) and ``hsx-ttl-days`` (whole days, rounded up), which bucket lifecycle
+rules filter on to delete the bytes (deploy/helm/hsx/README.md); and as user metadata
+``x-amz-meta-hsx-expires-at``, which HeadObject and GetObject return with no extra
+request (tags need a GetObjectTagging each), so ``head``/``get`` answer NotFoundError
+at once once it has passed. A listing HEADs the page's objects to leave expired ones
+out: one request per listed object, in parallel.
 """
 
 from __future__ import annotations
@@ -14,10 +24,11 @@ import base64
 import hashlib
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import boto3
 from botocore.config import Config
@@ -38,6 +49,7 @@ from service.storage.base import (
     StorageUnavailableError,
     ThreadedStorage,
 )
+from service.storage.expiry import EXPIRES_AT_TAG, TTL_DAYS_TAG, is_expired, ttl_days
 from service.storage.keys import validate_key
 
 log = logging.getLogger(__name__)
@@ -54,6 +66,8 @@ _CONFIG = {
     "InvalidBucketName",
 }
 SHA256_META = "sha256"
+#: DeleteObjects takes at most this many keys.
+DELETE_BATCH = 1000
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -182,10 +196,34 @@ class S3Storage(ThreadedStorage):
             return {"ChecksumSHA256": digest}
         return {"ChecksumAlgorithm": algorithm}
 
-    def _publish(self, key: str, source: Source) -> ObjectRef:
+    def _publish(self, key: str, source: Source, expires_at: int | None) -> ObjectRef:
+        try:
+            return self._publish_once(key, source, expires_at)
+        except AlreadyExistsError:
+            # An expired object is gone for readers, though S3 keeps it until the
+            # lifecycle rule runs: its key may be published again (a custom_id retried
+            # after expiry). Rare, so checked only after a refusal, not before each put.
+            if not self._holds_expired(key):
+                raise
+            self._delete(key)
+            return self._publish_once(key, source, expires_at)
+
+    def _holds_expired(self, key: str) -> bool:
+        try:
+            response = self._call("head_object", key, Bucket=self.bucket, Key=self.object_name(key))
+        except NotFoundError:
+            return False
+        return _expired(response)
+
+    def _publish_once(self, key: str, source: Source, expires_at: int | None) -> ObjectRef:
         name = self.object_name(key)
         sha256 = source.sha256()
         common: dict[str, Any] = {"Bucket": self.bucket, "Key": name}
+        metadata = {SHA256_META: sha256}
+        if expires_at is not None:
+            metadata[EXPIRES_AT_TAG] = str(expires_at)
+            tags = {EXPIRES_AT_TAG: expires_at, TTL_DAYS_TAG: ttl_days(expires_at)}
+            common["Tagging"] = urlencode(tags)
         conditional = {"IfNoneMatch": "*"} if self.create_only else {}
         if source.size <= self.options.multipart_threshold:
             body = bytes(source.read(0, source.size))
@@ -196,19 +234,19 @@ class S3Storage(ThreadedStorage):
                 **conditional,
                 **self._checksum_args(body),
                 Body=body,
-                Metadata={SHA256_META: sha256},
+                Metadata=metadata,
                 ContentType="application/octet-stream",
             )
         else:
-            self._multipart(key, source, sha256, common, conditional)
+            self._multipart(key, source, metadata, common, conditional)
         return ObjectRef(key, self.uri(key), source.size, sha256)
 
     def _multipart(
         self,
         key: str,
         source: Source,
-        sha256: str,
-        common: dict[str, Any],
+        metadata: dict[str, str],
+        create: dict[str, Any],
         conditional: dict[str, str],
     ) -> None:
         algorithm = self.options.checksum_algorithm
@@ -216,12 +254,14 @@ class S3Storage(ThreadedStorage):
         upload = self._call(
             "create_multipart_upload",
             key,
-            **common,
+            **create,
             **create_args,
-            Metadata={SHA256_META: sha256},
+            Metadata=metadata,
             ContentType="application/octet-stream",
         )
         upload_id = upload["UploadId"]
+        # Tags are given once, at creation; the other calls take bucket and key only.
+        common = {"Bucket": create["Bucket"], "Key": create["Key"]}
         try:
             parts = self._upload_parts(key, source, upload_id, common)
             self._call(
@@ -278,6 +318,9 @@ class S3Storage(ThreadedStorage):
 
     def _get(self, key: str) -> bytes:
         response = self._call("get_object", key, Bucket=self.bucket, Key=self.object_name(key))
+        if _expired(response):
+            response["Body"].close()  # not a byte of it read
+            raise NotFoundError("object expired", operation="get", key=key)
         body: bytes = response["Body"].read()
         expected = response.get("Metadata", {}).get(SHA256_META)
         if expected and hashlib.sha256(body).hexdigest() != expected:
@@ -288,12 +331,36 @@ class S3Storage(ThreadedStorage):
 
     def _head(self, key: str) -> ObjectRef:
         response = self._call("head_object", key, Bucket=self.bucket, Key=self.object_name(key))
+        if _expired(response):
+            raise NotFoundError("object expired", operation="head", key=key)
         sha256 = response.get("Metadata", {}).get(SHA256_META, "")
         return ObjectRef(key, self.uri(key), int(response["ContentLength"]), sha256)
 
     def _delete(self, key: str) -> None:
         # S3 answers 204 for a missing key too, so delete is idempotent by itself.
         self._call("delete_object", key, Bucket=self.bucket, Key=self.object_name(key))
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """DeleteObjects, 1000 keys a request (quiet: only failures come back)."""
+        names = [self.object_name(key) for key in keys]  # validates every key first
+        for start in range(0, len(names), DELETE_BATCH):
+            await self._run(self._delete_batch, names[start : start + DELETE_BATCH])
+
+    def _delete_batch(self, names: list[str]) -> None:
+        objects = [{"Key": name} for name in names]
+        first = names[0] if names else ""
+        response = self._call(
+            "delete_objects", first, Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
+        )
+        errors = response.get("Errors") or []
+        if errors:
+            error = errors[0]
+            raise StorageError(
+                f"s3 delete_objects failed for {len(errors)} keys: "
+                f"{error.get('Code', '')}: {error.get('Message', '')}",
+                operation="delete",
+                key=str(error.get("Key", "")),
+            )
 
     def _list(self, prefix: str, limit: int, after: str | None) -> ObjectPage:
         base = f"{self.prefix}/" if self.prefix else ""
@@ -309,10 +376,25 @@ class S3Storage(ThreadedStorage):
             for item in contents
             if _is_key(item["Key"][len(base) :])
         )
+        objects = self._unexpired(objects)
         # The cursor is the last key S3 returned, so foreign keys skipped above do not
         # make the next page start over.
         more = bool(response.get("IsTruncated")) and bool(contents)
         return ObjectPage(objects, contents[-1]["Key"][len(base) :] if more else None)
+
+    def _unexpired(self, objects: tuple[ObjectInfo, ...]) -> tuple[ObjectInfo, ...]:
+        """``objects`` but those expired (or deleted since listed): a HEAD each, in
+        parallel, since a listing carries neither tags nor metadata."""
+
+        def alive(info: ObjectInfo) -> bool:
+            try:
+                self._head(info.key)
+            except NotFoundError:
+                return False
+            return True
+
+        kept = zip(objects, self._parts.map(alive, objects), strict=True)
+        return tuple(info for info, ok in kept if ok)
 
     def _ping(self) -> None:
         try:
@@ -321,6 +403,15 @@ class S3Storage(ThreadedStorage):
             raise StorageUnavailableError(
                 f"bucket {self.bucket!r} is not reachable: {exc}"
             ) from exc
+
+
+def _expired(response: dict[str, Any]) -> bool:
+    """Whether a HeadObject/GetObject response is of an object whose expiry passed."""
+    recorded = response.get("Metadata", {}).get(EXPIRES_AT_TAG)
+    try:
+        return is_expired(None if recorded is None else int(recorded))
+    except ValueError:
+        return False  # not ours to judge: never vanish an object on a bad header
 
 
 def _is_key(name: str) -> bool:

@@ -42,6 +42,7 @@ from service.engine.statistics import layer_statistics
 from service.engine.wire import Extraction, RequestParams
 from service.metrics import ExtractorMetrics
 from service.storage.base import AlreadyExistsError
+from service.storage.expiry import expires_at
 from service.storage.local import LocalStorage
 
 __all__ = [
@@ -134,7 +135,7 @@ class FakeExtractor:
         )
         data = save({"hidden_states": states, "token_ids": np.asarray(ids, np.int64)}, metadata)
         try:
-            ref = await self.storage.put(params.key, data)
+            ref = await self.storage.put(params.key, data, expires_at=expires_at(params.ttl_s))
         except AlreadyExistsError as exc:  # as the real writer reports a lost create-only race
             raise StorageWriteError(f"object exists: {exc}") from exc
         self.written.append(ref.key)

@@ -4,6 +4,7 @@ real local storage)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,8 @@ import httpx
 import pytest
 
 from service.storage.keys import new_object_key
-from tests.api.conftest import AUTH_A, KEYS, fast_settings
-from tests.api.fake import serving_in_process
+from tests.api.conftest import AUTH_A, AUTH_B, KEYS, fast_settings
+from tests.api.fake import list_objects, serving_in_process
 from tests.codecs.test_codecs import CORRUPT
 
 
@@ -134,3 +135,96 @@ async def test_decoding_a_malformed_object_is_a_422_naming_decode(
     assert says in error["message"]
     as_stored = await app_client.get(f"/objects/{key}", headers=AUTH_A)
     assert (as_stored.status_code, as_stored.content) == (200, data)
+
+
+# -- DELETE /objects?prefix= (issue 29) -------------------------------------------------
+
+
+async def made(client: httpx.AsyncClient, auth: dict[str, str], count: int) -> list[str]:
+    body = {"prompts": [{"token_ids": [5, 6, i]} for i in range(count)]}
+    response = await client.post("/extract", json=body, headers=auth)
+    assert response.status_code == 200, response.text
+    return sorted(o["key"] for o in response.json()["objects"])
+
+
+async def test_prefix_delete_removes_exactly_the_namespaces_page(
+    app_client: httpx.AsyncClient, fake: Any
+) -> None:
+    mine, theirs = await made(app_client, AUTH_A, 5), await made(app_client, AUTH_B, 3)
+    year = mine[0].split("/")[2]  # hsx/team-a/yyyy/...
+    first = await app_client.delete(f"/objects?prefix={year}/&limit=2", headers=AUTH_A)
+    assert first.status_code == 200, first.text
+    page = first.json()
+    assert page["deleted"] == mine[:2]  # key order, one bounded page
+    assert page["truncated"] is True
+    assert list_objects(fake.storage.root, "team-a") == set(mine[2:])
+    rest = await app_client.delete(f"/objects?prefix={year}/&limit=10", headers=AUTH_A)
+    assert rest.json() == {"deleted": mine[2:], "truncated": False, "next_cursor": None}
+    assert list_objects(fake.storage.root, "team-a") == set()
+    assert list_objects(fake.storage.root, "team-b") == set(theirs)  # nothing else
+    for key in theirs:
+        assert (await app_client.get(f"/objects/{key}", headers=AUTH_B)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "",  # the whole namespace: refused, not a wildcard
+        "..",
+        "../team-b/",
+        "2026/../../team-b/",
+        "/hsx/team-b/",
+        "2026//",
+        "x" * 2000,  # past the key length
+        "é",
+        "\uff12\uff10\uff12\uff16",  # full-width digits
+        "2026\u202e/",  # right-to-left override
+        "2026\x00",
+        "by-id/.hsx-exp-",  # sidecars and temp files are never keys
+    ],
+)
+async def test_prefix_delete_refuses_prefixes_no_key_of_yours_can_have(
+    app_client: httpx.AsyncClient, fake: Any, prefix: str
+) -> None:
+    mine, theirs = await made(app_client, AUTH_A, 2), await made(app_client, AUTH_B, 2)
+    response = await app_client.delete("/objects", params={"prefix": prefix}, headers=AUTH_A)
+    assert response.status_code == 422, response.text
+    # Query-level bounds (empty, too long) are named as FastAPI names them.
+    assert response.json()["error"]["field"].removeprefix("query.") == "prefix"
+    assert list_objects(fake.storage.root, "team-a") == set(mine)
+    assert list_objects(fake.storage.root, "team-b") == set(theirs)
+
+
+async def test_another_namespaces_prefix_matches_nothing_of_theirs(
+    app_client: httpx.AsyncClient, fake: Any
+) -> None:
+    theirs = await made(app_client, AUTH_B, 2)
+    # Relative to team-a's root: hsx/team-a/hsx/team-b/..., which holds nothing.
+    for prefix in ("hsx/team-b/", "team-b/", theirs[0]):
+        response = await app_client.delete("/objects", params={"prefix": prefix}, headers=AUTH_A)
+        assert response.status_code == 200, response.text
+        assert response.json()["deleted"] == []
+    assert list_objects(fake.storage.root, "team-b") == set(theirs)
+
+
+async def test_prefix_delete_refuses_a_cursor_of_another_listing(
+    app_client: httpx.AsyncClient,
+) -> None:
+    theirs = await made(app_client, AUTH_B, 1)
+    cursor = base64.urlsafe_b64encode(theirs[0].encode()).decode().rstrip("=")
+    response = await app_client.delete(
+        "/objects", params={"prefix": "2", "cursor": cursor}, headers=AUTH_A
+    )
+    assert response.status_code == 422
+    assert response.json()["error"]["field"] == "cursor"
+    for limit in (0, 1001):
+        response = await app_client.delete(
+            "/objects", params={"prefix": "2", "limit": limit}, headers=AUTH_A
+        )
+        assert response.status_code == 422
+        assert response.json()["error"]["field"] == "query.limit"
+
+
+async def test_prefix_delete_needs_a_key(app_client: httpx.AsyncClient) -> None:
+    response = await app_client.delete("/objects", params={"prefix": "2"})
+    assert response.status_code == 401

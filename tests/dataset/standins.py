@@ -59,6 +59,8 @@ class Scripted:
         self.bodies: list[dict[str, Any]] = []
         self.tokenized: list[dict[str, Any]] = []
         self.objects: dict[str, bytes] = {}
+        #: The ``GET /v1/models`` card (a test may add provenance, change the model).
+        self.model: dict[str, Any] = dict(MODEL)
         self.tokenize: Callable[[dict[str, Any]], Reply] = lambda body: (404, {}, {})
         owner = self
 
@@ -74,7 +76,7 @@ class Scripted:
                     self.end_headers()
                     self.wfile.write(data)
                 elif self.path == "/v1/models":
-                    self.reply(200, {}, {"object": "list", "data": [MODEL]})
+                    self.reply(200, {}, {"object": "list", "data": [owner.model]})
                 else:
                     self.reply(200, {}, {"version": "0.1.0", "vllm": "0.32.0"})
 

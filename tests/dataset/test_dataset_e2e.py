@@ -68,8 +68,9 @@ def cluster(
     s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     s3.create_bucket(Bucket=bucket)
     root = tmp_path_factory.mktemp("dataset-e2e")
+    model = model_dir("llama")
     env = {
-        "HSX_ENGINE__MODEL": str(model_dir("llama")),
+        "HSX_ENGINE__MODEL": str(model),
         "HSX_ENGINE__DTYPE": "float32",
         "HSX_ENGINE__MAX_MODEL_LEN": "256",
         "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
@@ -94,6 +95,7 @@ def cluster(
             "bucket": bucket,
             "s3_endpoint": s3_endpoint,
             "root": root,
+            "model": str(model),
         }
     s3.close()
 
@@ -188,14 +190,24 @@ def test_two_replicas_one_killed_client_killed_resumes_and_verifies(
     assert {r for r in reasons if reasons[r].startswith("malformed")} == data.malformed
     assert "not JSON" in reasons[min(data.malformed)]
 
+    # Per-layer statistics of every ok row, across both sessions (from the manifest),
+    # found objects (rows retried after the kill) included.
+    stats = json.loads(asyncio.run(store.read("statistics.json")) or b"{}")
+    assert stats["objects"] == summary["ok"]
+    assert stats["tokens"] == summary["tokens"]
+
     verify = subprocess.run(
         cli("verify", output, "--endpoint", cluster["a"], "--s3-endpoint-url",
-            cluster["s3_endpoint"]),
+            cluster["s3_endpoint"], "--parity", "8", "--parity-model", cluster["model"]),
         env=cli_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"verified {len(data.valid)} objects" in verify.stdout
     assert "0 problems" in verify.stdout
+    assert "re-rendered 8 messages rows" in verify.stdout  # token drift, both replicas' rows
+    parity = json.loads(asyncio.run(store.read("parity.json")) or b"{}")  # on S3 too
+    assert len(parity["rows"]) == 8
+    assert all(layer["ok"] for row in parity["rows"] for layer in row["layers"])
 
     export_and_read_with_speculators(cluster, output, tmp_path / "export", ok)
 

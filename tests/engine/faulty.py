@@ -35,6 +35,7 @@ from service.storage import (
     ObjectRef,
     Storage,
     StorageError,
+    Swept,
     open_backend,
 )
 
@@ -43,12 +44,12 @@ class FaultyStorage(Storage):
     def __init__(self, inner: Storage, delay_s: float) -> None:
         self.inner, self.delay_s, self.scheme = inner, delay_s, inner.scheme
 
-    async def put(self, key: str, data: Data) -> ObjectRef:
+    async def put(self, key: str, data: Data, *, expires_at: int | None = None) -> ObjectRef:
         await asyncio.sleep(self.delay_s)
         namespace = key.split("/")[1]
         if namespace.startswith("fail") or (namespace.startswith("flaky") and _odd(data)):
             raise StorageError("injected write failure", operation="put", key=key)
-        return await self.inner.put(key, data)
+        return await self.inner.put(key, data, expires_at=expires_at)
 
     def uri(self, key: str) -> str:
         return self.inner.uri(key)
@@ -73,6 +74,9 @@ class FaultyStorage(Storage):
 
     async def list(self, prefix: str, *, limit: int = 1000, after: str | None = None) -> ObjectPage:
         return await self.inner.list(prefix, limit=limit, after=after)
+
+    async def clean(self) -> Swept:
+        return await self.inner.clean()
 
     async def close(self) -> None:
         await self.inner.close()

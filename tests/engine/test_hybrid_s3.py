@@ -121,3 +121,35 @@ async def test_storage_metrics_equal_the_work_on_s3(hybrid: Any, s3_admin: Any) 
     # One injected 503 per object, each retried once by botocore in the worker.
     assert value("hsx_storage_retries_total") - retries_before == len(prompts)
     assert registry.get_sample_value("hsx_writer_bytes_in_flight_bytes") == 0
+
+
+@pytest.mark.parametrize("generated", [False, True], ids=["prompt", "generated"])
+async def test_hybrid_selections_are_rows_of_the_full_states(
+    hybrid: Any, s3_admin: Any, generated: bool
+) -> None:
+    """``tokens`` on the hybrid: each selection, with each codec offered, holds the rows
+    (or means) of the same prompts' ``all`` objects (tests/api/test_selection.py)."""
+    from tests.api.test_selection import SELECTIONS, check_selected
+
+    def body(key: str) -> bytes:
+        return bytes(s3_admin.get_object(Bucket="hsx-hybrid", Key=f"runs/{key}")["Body"].read())
+
+    prompts = random_prompts([12, 47], seed=63)
+    spans = {"loss_spans": [(2, 7)], "include_output_tokens": generated}
+    max_tokens = 4 if generated else 1
+
+    async def run(**options: Any) -> list[Any]:
+        params = [hybrid.request_params("hybrid", **spans, **options) for _ in prompts]
+        runs = zip(prompts, params, strict=True)
+        return list(
+            await asyncio.gather(*(hybrid.extract(p, q, max_tokens=max_tokens) for p, q in runs))
+        )
+
+    full = await run()
+    for codec in hybrid.codecs:
+        for selection in SELECTIONS:
+            results = await run(codec=codec, tokens=selection)
+            for prompt, whole, result in zip(prompts, full, results, strict=True):
+                assert result.num_tokens == whole.num_tokens
+                assert result.output_token_ids == whole.output_token_ids
+                check_selected(selection, codec, body(whole.key), body(result.key), len(prompt))

@@ -10,6 +10,7 @@ import array
 import asyncio
 import hashlib
 import os
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
@@ -231,6 +232,70 @@ class StorageContract:
         for name in self.STRAYS:  # and what is not listed cannot
             with pytest.raises(InvalidKeyError):
                 await storage.get(name)
+
+    # -- expiry and batch delete (issue 29) ------------------------------------------
+
+    @pytest.mark.parametrize("size", [100, BIG])  # one PutObject, and a multipart upload
+    async def test_an_expired_object_is_gone_at_once(self, storage: Storage, size: int) -> None:
+        now = int(time.time())
+        expired, live, forever = fresh_key("tenant-e"), fresh_key("tenant-e"), fresh_key("tenant-e")
+        await storage.put(expired, payload(size, 1), expires_at=now - 1)
+        await storage.put(live, payload(size, 2), expires_at=now + 3600)
+        await storage.put(forever, payload(size, 3))
+        assert not await storage.exists(expired)
+        for read in (storage.get, storage.head, storage.open_read):
+            with pytest.raises(NotFoundError):
+                await read(expired)
+        assert await storage.get(live) == payload(size, 2)
+        assert await storage.get(forever) == payload(size, 3)
+        listed = [o.key for o in await list_all(storage, "hsx/tenant-e/", limit=1)]
+        assert listed == sorted([live, forever])
+
+    async def test_a_key_put_again_without_expiry_does_not_inherit_one(
+        self, storage: Storage
+    ) -> None:
+        key = fresh_key()
+        await storage.put(key, b"short-lived", expires_at=int(time.time()) - 1)
+        await storage.delete(key)
+        await storage.put(key, b"kept")
+        assert await storage.get(key) == b"kept"
+
+    @pytest.mark.parametrize("size", [100, BIG])
+    async def test_an_expired_objects_key_can_be_put_again(
+        self, storage: Storage, size: int
+    ) -> None:
+        # Create-only refuses a live object's key, not an expired one's (a custom_id
+        # retried after its object expired, before the bytes are removed).
+        key = fresh_key()
+        await storage.put(key, b"old", expires_at=int(time.time()) - 1)
+        await storage.put(key, payload(size, 7))
+        assert await storage.get(key) == payload(size, 7)
+        with pytest.raises(AlreadyExistsError):
+            await storage.put(key, b"third")
+
+    async def test_clean_keeps_what_has_not_expired(self, storage: Storage) -> None:
+        live, forever = fresh_key(), fresh_key()
+        await storage.put(live, b"live", expires_at=int(time.time()) + 3600)
+        await storage.put(forever, b"forever")
+        swept = await storage.clean()
+        assert (swept.expired, swept.orphan) == (0, 0)
+        assert [await storage.get(k) for k in (live, forever)] == [b"live", b"forever"]
+
+    async def test_delete_many_removes_exactly_the_batch(self, storage: Storage) -> None:
+        keys = sorted(fresh_key("tenant-d") for _ in range(5))
+        for key in keys:
+            await storage.put(key, b"x", expires_at=int(time.time()) + 3600)
+        await storage.delete_many([*keys[:3], fresh_key("tenant-d")])  # a missing one too
+        await storage.delete_many(keys[:3])  # idempotent
+        await storage.delete_many([])
+        assert [o.key for o in await list_all(storage, "hsx/tenant-d/", limit=10)] == keys[3:]
+
+    async def test_delete_many_validates_every_key_first(self, storage: Storage) -> None:
+        key = fresh_key()
+        await storage.put(key, b"x")
+        with pytest.raises(InvalidKeyError):
+            await storage.delete_many([key, "hsx/../escape"])
+        assert await storage.get(key) == b"x"
 
 
 #: Writes a named entry straight into a backend's store, past ``put``'s key check.

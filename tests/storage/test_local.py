@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,16 @@ from service.storage import (
     open_backend,
     open_storage,
 )
-from service.storage.local import TEMP_PREFIX, LocalStorage, root_from_url
+from service.storage.base import Swept
+from service.storage.local import (
+    EXPIRY_PREFIX,
+    TEMP_PREFIX,
+    LocalStorage,
+    expiry_path,
+    root_from_url,
+)
 from tests.storage.contract import Plant, StorageContract, fresh_key, payload
+from tests.support.processes import wait_until
 
 
 class TestLocalContract(StorageContract):
@@ -250,3 +259,82 @@ def test_no_accepted_key_resolves_outside_root(key: str) -> None:
     assert path.is_relative_to(root)
     assert path != root
     assert os.path.realpath(path).startswith(str(root) + os.sep)
+
+
+# -- expiry: the sidecar and the sweep (issue 29) ---------------------------------------
+
+
+async def test_expired_object_is_404_then_gone_from_disk_after_the_sweep(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "objects", fsync=False)
+    key, kept = fresh_key(), fresh_key()
+    await storage.put(key, payload(5000), expires_at=int(time.time()) + 1)
+    await storage.put(kept, b"kept")
+    path = storage.path_for(key)
+    assert expiry_path(path).read_bytes().isdigit()  # the sidecar, beside the object
+    assert await storage.get(key) == payload(5000)
+    wait_until(lambda: not path_is_served(storage, key), 5, "object did not expire")
+    assert path.exists()  # invisible before the sweep removes its bytes
+    assert await storage.clean() == Swept(expired=1, orphan=0)
+    assert files_under(storage.root) == [storage.path_for(kept)]
+    assert await storage.clean() == Swept()
+    await storage.close()
+
+
+def path_is_served(storage: LocalStorage, key: str) -> bool:
+    try:
+        storage._file_for(key, "get")
+    except NotFoundError:
+        return False
+    return True
+
+
+async def test_sweep_removes_orphans_past_the_grace_period_only(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "objects", fsync=False, stale_temp_s=60)
+    live = fresh_key()
+    await storage.put(live, b"live", expires_at=int(time.time()) + 3600)
+    day = storage.path_for(live).parent
+    old_temp, young_temp = day / f"{TEMP_PREFIX}old", day / f"{TEMP_PREFIX}young"
+    old_sidecar = day / f"{EXPIRY_PREFIX}gone.safetensors"  # its object was never linked
+    young_sidecar = day / f"{EXPIRY_PREFIX}coming.safetensors"  # a writer about to link
+    for orphan in (old_temp, young_temp, old_sidecar, young_sidecar):
+        orphan.write_bytes(b"1")
+    for old in (old_temp, old_sidecar):
+        os.utime(old, (0, 0))
+    assert await storage.clean() == Swept(expired=0, orphan=2)
+    assert [p.exists() for p in (old_temp, old_sidecar)] == [False, False]
+    assert [p.exists() for p in (young_temp, young_sidecar)] == [True, True]
+    assert await storage.get(live) == b"live"
+    await storage.close()
+
+
+async def test_a_stale_sidecar_does_not_expire_a_new_object(tmp_path: Path) -> None:
+    # A writer that died between its sidecar and its link leaves the sidecar; the next
+    # object under that key, put without expiry, must not inherit it.
+    storage = LocalStorage(tmp_path / "objects", fsync=False)
+    key = fresh_key()
+    sidecar = expiry_path(storage.path_for(key))
+    sidecar.parent.mkdir(parents=True)
+    sidecar.write_bytes(b"1")
+    await storage.put(key, b"new")
+    assert await storage.get(key) == b"new"
+    assert not sidecar.exists()
+    await storage.close()
+
+
+async def test_a_damaged_sidecar_never_hides_an_object(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "objects", fsync=False)
+    key = fresh_key()
+    await storage.put(key, b"data", expires_at=int(time.time()) - 10)
+    expiry_path(storage.path_for(key)).write_bytes(b"not a time")
+    assert await storage.get(key) == b"data"
+    assert [o.key for o in (await storage.list("hsx/")).objects] == [key]
+    await storage.close()
+
+
+async def test_delete_removes_the_sidecar_too(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "objects", fsync=False)
+    key = fresh_key()
+    await storage.put(key, b"data", expires_at=int(time.time()) + 3600)
+    await storage.delete(key)
+    assert files_under(storage.root) == []
+    await storage.close()

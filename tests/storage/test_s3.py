@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from service.storage import (
     open_backend,
     open_storage,
 )
+from service.storage.expiry import EXPIRES_AT_TAG, TTL_DAYS_TAG
 from service.storage.s3 import S3Storage, parse_s3_url
 from tests.conftest import s3_settings
 from tests.storage.contract import BIG, Plant, StorageContract, fresh_key, payload
@@ -275,3 +277,36 @@ def test_parse_s3_url() -> None:
         parse_s3_url("s3:///nobucket")
     with pytest.raises(ValueError, match="not allowed"):
         parse_s3_url("s3://bucket/../x")
+
+
+# -- expiry tags and batch delete (issue 29) --------------------------------------------
+
+
+@pytest.mark.parametrize("size", [100, 2 * MIB])  # PutObject, and a multipart upload
+async def test_an_expiring_object_carries_its_expiry_tags(
+    s3: S3Storage, s3_admin: Any, size: int
+) -> None:
+    key, expires = fresh_key(), int(time.time()) + 3 * 86400 + 5
+    await s3.put(key, payload(size), expires_at=expires)
+    name = s3.object_name(key)
+    tagging = s3_admin.get_object_tagging(Bucket=s3.bucket, Key=name)
+    tags = {t["Key"]: t["Value"] for t in tagging["TagSet"]}
+    assert tags == {EXPIRES_AT_TAG: str(expires), TTL_DAYS_TAG: "4"}  # days rounded up
+    head = s3_admin.head_object(Bucket=s3.bucket, Key=name)
+    assert head["Metadata"][EXPIRES_AT_TAG] == str(expires)  # what head/get check
+    forever = fresh_key()
+    await s3.put(forever, payload(size))
+    assert (
+        s3_admin.get_object_tagging(Bucket=s3.bucket, Key=s3.object_name(forever))["TagSet"] == []
+    )
+
+
+async def test_delete_many_is_one_request_per_thousand_keys(s3: S3Storage, s3_admin: Any) -> None:
+    keys = [fresh_key("tenant-m") for _ in range(3)]
+    for key in keys:
+        await s3.put(key, b"x")
+    recorder = Recorder()
+    hook(s3, "DeleteObjects", recorder)
+    await s3.delete_many(keys)
+    assert len(recorder.requests) == 1
+    assert s3_admin.list_objects_v2(Bucket=s3.bucket).get("KeyCount", 0) == 0

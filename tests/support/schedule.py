@@ -20,7 +20,8 @@ PER_TEST = ("tests/e2e/test_bench_smoke.py",)
 #: Groups sent first, longest first (seconds of one run on 2 cores, rounded).
 HEAVY_FIRST = (
     "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 260
-    "tests/dataset/test_dataset_e2e.py",  # 175
+    "tests/dataset/test_dataset_e2e.py",  # 175 (300 with verify --parity)
+    "tests/dataset/test_parity.py",  # 130
     "tests/e2e/test_serve.py",  # 105
     "tests/api/",  # 100
     "tests/e2e/test_speculators.py",  # 80

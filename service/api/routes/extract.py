@@ -1,7 +1,9 @@
-"""``POST /extract``: answers once every prompt's object is durable."""
+"""``POST /extract``: answers once every prompt's object is durable (or, with
+``return: inline``, with every object's bytes, written nowhere)."""
 
 from __future__ import annotations
 
+import base64
 import threading
 import uuid
 from functools import partial
@@ -75,7 +77,7 @@ async def extract(
 
 async def _job(state: ApiState, body: ExtractRequest, namespace: str, deadline: float) -> Job:
     """The request checked and tokenised (ApiError otherwise): limits, serving state,
-    codec and layers, each prompt's token ids and loss mask."""
+    codec and layers, each prompt's token ids and loss mask, the token selection."""
     check_request_limits(len(body.prompts), body.max_tokens, state.settings.limits)
     extraction.ensure_serving(state)
     options = ExtractOptions.checked(
@@ -86,10 +88,14 @@ async def _job(state: ApiState, body: ExtractRequest, namespace: str, deadline: 
         loss=body.loss,
         codec=body.codec,
         layers=body.layers,
+        tokens=body.tokens,
+        ttl_s=body.ttl_s,
+        inline=body.return_ == "inline",
     )
     token_ids = await _token_ids(state, body, deadline)
     spans = await _loss_spans(state, body, token_ids, deadline)
     custom_ids = [getattr(prompt, "custom_id", None) for prompt in body.prompts]
+    options.check_prompts(state, token_ids, spans, custom_ids)  # lengths known, no engine yet
     return Job(namespace, token_ids, spans, custom_ids, options, deadline)
 
 
@@ -156,6 +162,7 @@ def _response(state: ApiState, objects: list[Extraction]) -> ExtractResponse:
                 status="found" if isinstance(o, Found) else "created",
                 codec=o.codec,
                 statistics=o.statistics,
+                data=None if o.data is None else base64.b64encode(o.data).decode(),
             )
             for i, o in enumerate(objects)
         ],

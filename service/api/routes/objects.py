@@ -1,4 +1,5 @@
-"""``GET`` and ``DELETE /objects/{key}``, only inside the caller's namespace.
+"""``GET`` and ``DELETE /objects/{key}``, and ``DELETE /objects?prefix=``, only inside
+the caller's namespace.
 
 A key outside the caller's namespace is a 404, exactly like a missing one, so nobody
 learns what other namespaces hold. Everything goes through the storage interface (its
@@ -8,24 +9,39 @@ codec stored it; an object it cannot decode (a codec or version this server does
 know, or bytes that are not a well-formed object of their codec: ``service.codecs``
 checks the header before reading a tensor and decompresses no more than the states'
 shape allows) is a 422 ``invalid_request`` naming ``decode``, never a 500.
+
+An expired object (``ttl_s``) is a 404 at once: the storage treats it as gone on every
+read, before the sweeper or a lifecycle rule removes its bytes.
+
+``DELETE /objects?prefix=`` deletes one page of the caller's objects under a prefix
+relative to its namespace (``2026/11/``, ``by-id/``), never the namespace's root itself
+(an empty prefix is refused: wiping a namespace takes one call per top-level prefix,
+on purpose). The prefix is joined under the namespace's root and checked as a key
+prefix, so ``..``, a leading ``/``, characters keys never hold and anything over the key
+length are a 422 naming ``prefix``: no prefix can name another namespace's keys. Only
+what ``GET /objects`` would list is deleted (the same ``namespace_of`` check), and the
+answer names each deleted key; ``truncated`` says more may follow, to be deleted by the
+next call (with ``cursor``, to step past entries that are not ours to delete).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
+from service.api.routes.listing import decode_cursor, encode_cursor
 from service.api.schemas import ErrorBody
 from service.api.state import ApiState
 from service.codecs import to_raw
 from service.storage import Storage
-from service.storage.base import NotFoundError
-from service.storage.keys import namespace_of
+from service.storage.base import InvalidKeyError, NotFoundError
+from service.storage.keys import MAX_KEY_BYTES, namespace_of, namespace_root, validate_key_prefix
 
 router = APIRouter()
 SAFETENSORS = "application/octet-stream"
@@ -72,6 +88,62 @@ async def get_object(
         "Content-Disposition": f'attachment; filename="{filename}"',
     }
     return StreamingResponse(reader.chunks, media_type=SAFETENSORS, headers=headers)
+
+
+#: The most objects one ``DELETE /objects?prefix=`` removes (one storage listing page).
+MAX_DELETE_PAGE = 1000
+
+
+class DeletedObjects(BaseModel):
+    """One page of a prefix delete."""
+
+    deleted: list[str] = Field(description="The keys deleted, in key order.")
+    truncated: bool = Field(description="More objects may remain under the prefix.")
+    next_cursor: str | None = Field(
+        None, description="Pass back as `cursor` to continue past this page; absent at the end."
+    )
+
+
+@router.delete(
+    "/objects",
+    response_model=DeletedObjects,
+    responses={
+        422: {"model": ErrorBody, "description": "Bad prefix, cursor or limit"},
+        502: {"model": ErrorBody, "description": "Storage failed"},
+        503: {"model": ErrorBody, "description": "Storage unavailable"},
+    },
+)
+async def delete_prefix(
+    state: StateDep,
+    namespace: NamespaceDep,
+    prefix: Annotated[
+        str,
+        Query(
+            min_length=1,
+            max_length=MAX_KEY_BYTES,
+            description="Delete your objects whose keys, after your namespace's root "
+            "(`hsx/<namespace>/`), start with this (`2026/11/`, `by-id/`).",
+        ),
+    ],
+    limit: Annotated[int, Query(ge=1, le=MAX_DELETE_PAGE)] = 100,
+    cursor: Annotated[str | None, Query(max_length=2048)] = None,
+) -> DeletedObjects:
+    """Delete one page of your objects under ``prefix``; call again while ``truncated``."""
+    key_prefix = state.settings.storage.key_prefix
+    scope = namespace_root(key_prefix, namespace) + prefix
+    try:
+        validate_key_prefix(scope)
+    except InvalidKeyError as exc:
+        raise ApiError(422, "invalid_request", f"prefix: {exc}", field="prefix") from None
+    after = decode_cursor(cursor, scope)
+    page = await state.storage.list(scope, limit=limit, after=after)
+    keys = [o.key for o in page.objects if namespace_of(o.key, key_prefix) == namespace]
+    await state.storage.delete_many(keys)
+    return DeletedObjects(
+        deleted=keys,
+        truncated=page.next_after is not None,
+        next_cursor=encode_cursor(page.next_after),
+    )
 
 
 @router.delete("/objects/{key:path}", status_code=204, responses=NOT_FOUND, response_class=Response)

@@ -116,6 +116,7 @@ async def completions(
     prompts = await (_vllm(render()) if _token_ids_only(body) else _render(request, state, render))
     spans: list[PromptSpans] = [((0, len(p)),) if extras.loss == "all" else None for p in prompts]
     custom_ids = extras.custom_ids(len(prompts))
+    _check_prompts(state, options, prompts, spans, custom_ids, field)
     job = Job(namespace, prompts, spans, custom_ids, options, _deadline(request, state))
     outcomes = await _extract(request, state, job, field)
     return JSONResponse(_completion(state, body, prompts, outcomes, options).model_dump())
@@ -130,8 +131,10 @@ async def chat_completions(
     vllm, options, extras = await _checked(state, body, 1, "messages")
     prompt = await _render(request, state, partial(vllm.chat_token_ids, body))
     spans = [await _chat_spans(request, state, body, extras.loss, prompt)]
+    custom_ids = extras.custom_ids(1)
+    _check_prompts(state, options, [prompt], spans, custom_ids, "messages")
     deadline = _deadline(request, state)
-    job = Job(namespace, [prompt], spans, extras.custom_ids(1), options, deadline)
+    job = Job(namespace, [prompt], spans, custom_ids, options, deadline)
     (outcome,) = await _extract(request, state, job, "messages")
     return JSONResponse(_chat(state, body, prompt, outcome, options).model_dump())
 
@@ -203,6 +206,8 @@ async def _checked(
             loss=extras.loss,
             codec=extras.codec,
             layers=extras.layers,
+            tokens=extras.tokens,
+            inline=extras.return_ == "inline",
         )
         check_request_limits(prompts, max_tokens, state.settings.limits)
     except OpenAIError:
@@ -212,6 +217,24 @@ async def _checked(
         state.metrics.rejected(error.detail.type)
         raise OpenAIError.from_api_error(error, prompt_field) from None
     return vllm, options, extras
+
+
+def _check_prompts(
+    state: ApiState,
+    options: ExtractOptions,
+    prompts: list[list[int]],
+    spans: list[PromptSpans],
+    custom_ids: list[str | None],
+    prompt_field: str,
+) -> None:
+    """The token selection and an inline answer's size against the rendered prompts,
+    before the engine runs (``ExtractOptions.check_prompts``): a 400 naming ``tokens``
+    or ``return``, vLLM's dialect of ``/extract``'s 422."""
+    try:
+        options.check_prompts(state, prompts, spans, custom_ids)
+    except ApiError as error:
+        state.metrics.rejected(error.detail.type)
+        raise OpenAIError.from_api_error(error, prompt_field) from None
 
 
 async def _chat_spans(

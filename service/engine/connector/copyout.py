@@ -2,7 +2,9 @@
 
 :class:`CpuCopy` gathers synchronously on the forward pass's thread; :class:`CudaCopy`
 gathers and runs the codec's device stage on a side stream into reused pinned buffers
-(``pinned.py``), off the forward pass's critical path. Both make a
+(``pinned.py``), off the forward pass's critical path. Both copy only a token
+selection's rows, and reduce a mean on the device before the copy (:func:`pool`).
+Both make a
 :class:`~service.engine.jobs.CopyOut`; the worker picks one by the cache's device, once.
 """
 
@@ -20,9 +22,15 @@ from service.engine.connector.pinned import PinnedPool
 from service.engine.jobs import CopyOut, PendingSave
 
 
-def slot_indices(block_ids: Any, block_size: int, num_tokens: int) -> tuple[Any, Any]:
-    """(block index, offset in block) of each of the first ``num_tokens`` slots."""
-    positions = torch.arange(num_tokens, dtype=torch.long)
+def slot_indices(
+    block_ids: Any, block_size: int, num_tokens: int, positions: Any = None
+) -> tuple[Any, Any]:
+    """(block index, offset in block) of each of the first ``num_tokens`` slots, or of
+    the slots of ``positions`` (token positions, a sequence) when given."""
+    if positions is None:
+        positions = torch.arange(num_tokens, dtype=torch.long)
+    else:
+        positions = torch.as_tensor(positions, dtype=torch.long)
     blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
     return blocks, positions % block_size
 
@@ -48,6 +56,20 @@ def gather(cache: torch.Tensor, blocks: Any, offsets: Any, index: Any) -> torch.
     return picked.view(len(blocks), len(index), hidden)
 
 
+def pool(states: torch.Tensor, save: PendingSave) -> torch.Tensor:
+    """``states`` as the object stores them: their mean as one row [1, L, H] when
+    ``save`` is pooled, else unchanged.
+
+    The mean is summed in float32 (bfloat16 and float16 sums lose digits by the
+    hundreds of tokens) and cast back to the model dtype, so every codec sees the
+    model's dtype as it does for rows.
+    """
+    if not save.pooled:
+        return states
+    mean = states.sum(dim=0, keepdim=True, dtype=torch.float32) / states.shape[0]
+    return mean.to(states.dtype)
+
+
 class CopyStrategy(ABC):
     """How a save's states leave the cache ``[blocks, layers, block_size, hidden]``."""
 
@@ -61,7 +83,7 @@ class CopyStrategy(ABC):
     def shape(self, save: PendingSave) -> tuple[int, int, int]:
         """[T, L, H] of ``save``'s states."""
         layers = self._cache.shape[1] if save.layer_index is None else len(save.layer_index)
-        return len(save.token_ids), layers, self._cache.shape[3]
+        return save.rows, layers, self._cache.shape[3]
 
     @abstractmethod
     def host_nbytes(self, save: PendingSave) -> int:
@@ -72,7 +94,10 @@ class CopyStrategy(ABC):
         """Start copying ``save``'s states to host memory."""
 
     def _slots(self, save: PendingSave) -> tuple[Any, Any, Any]:
-        blocks, offsets = slot_indices(save.block_ids, self._block_size, len(save.token_ids))
+        # Only the selected positions' slots: the rest never leave the cache.
+        blocks, offsets = slot_indices(
+            save.block_ids, self._block_size, len(save.token_ids), save.positions
+        )
         index = None if save.layer_index is None else torch.tensor(save.layer_index)
         return blocks, offsets, index
 
@@ -94,7 +119,7 @@ class CpuCopy(CopyStrategy):
         # Advanced indexing copies synchronously: the result shares nothing with the
         # cache, so the blocks can go back at once and the time measured is the copy's.
         started = time.perf_counter()
-        states = gather(self._cache, blocks, offsets, index)
+        states = pool(gather(self._cache, blocks, offsets, index), save)
         copy_s = time.perf_counter() - started
         return CopyOut({"hidden_states": states}, wait=lambda: copy_s)
 
@@ -133,11 +158,14 @@ class CudaCopy(CopyStrategy):
             # Recorded on the side stream after its wait: times the gather and the copy.
             started.record(self._stream)
             device = self._cache.device
-            gathered = gather(
-                self._cache,
-                blocks.to(device, non_blocking=True),
-                offsets.to(device, non_blocking=True),
-                None if index is None else index.to(device, non_blocking=True),
+            gathered = pool(
+                gather(
+                    self._cache,
+                    blocks.to(device, non_blocking=True),
+                    offsets.to(device, non_blocking=True),
+                    None if index is None else index.to(device, non_blocking=True),
+                ),
+                save,
             )
             for name, tensor in codecs.prepare(save.codec, gathered).items():
                 buffer, host = self._pinned.take(tuple(tensor.shape), tensor.dtype)

@@ -9,10 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from service.codecs import TOKENS_KEY
 from service.engine.connector.common import FailedSave, HsxConnectorMetadata, PendingSave
 from service.engine.objects import object_metadata
 from service.engine.provenance import Provenance
-from service.engine.wire import REQUEST_ARG, RequestParams, WriteFailure
+from service.engine.wire import (
+    REQUEST_ARG,
+    RequestParams,
+    WriteFailure,
+    is_pooled,
+    selected_positions,
+    selection_json,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
@@ -106,8 +114,8 @@ class HsxConnectorScheduler:
 def plan_save(
     request: Request, blocks: Sequence[int], params: RequestParams, served: Served
 ) -> PendingSave | WriteFailure:
-    """The save of a finished request of ours: which tokens, layers and blocks to copy
-    and how to write them, or why it gets no object. Reads its arguments, nothing else.
+    """The save of a finished request of ours: which tokens, positions, layers and blocks
+    to copy and how to write them, or why it gets no object. Reads its arguments, nothing else.
 
     ``request`` is vLLM's (its ids and tokens are read); ``blocks`` its blocks in the
     hidden-state cache group.
@@ -137,21 +145,32 @@ def plan_save(
             layer_index = layer_positions(params.layers, served.layer_ids)
         except ValueError as exc:  # a bug of ours, as above
             return WriteFailure(type="internal_error", message=str(exc))
+    try:
+        positions = selected_positions(params.tokens, len(prompt), len(token_ids), loss_spans)
+    except ValueError as exc:
+        # The API checks the selection against the prompt (and the longest generation);
+        # generation that stopped early can still leave a window outside the tokens.
+        return WriteFailure(type="invalid_request", message=str(exc))
     layer_ids = served.layer_ids if params.layers is None else tuple(params.layers)
     origin = served.provenance
     provenance = None if origin is None else origin.metadata(params.codec, served.dtype)
+    metadata = object_metadata(served.model, layer_ids, served.dtype, params.metadata, provenance)
+    if positions is not None:
+        metadata[TOKENS_KEY] = selection_json(params.tokens)
     return PendingSave(
         req_id=request.request_id,
         key=params.key,
         token_ids=tuple(token_ids),
         block_ids=tuple(blocks),
-        metadata=object_metadata(
-            served.model, layer_ids, served.dtype, params.metadata, provenance
-        ),
+        metadata=metadata,
         layer_ids=layer_ids,
         codec=params.codec,
         layer_index=None if layer_index is None else tuple(layer_index),
         loss_spans=None if loss_spans is None else tuple(loss_spans),
+        positions=positions,
+        pooled=is_pooled(params.tokens),
+        ttl_s=params.ttl_s,
+        inline_bytes=params.inline_bytes,
     )
 
 

@@ -1,0 +1,255 @@
+"""``hsx dataset verify`` on runs made by a real ``hsx serve``: parity against
+transformers, the outlier check, token drift and mixed provenance.
+
+One server per model for the whole module (the tiny random-weight Llama, and the real
+SmolLM2 demo model), each making one small run (6 token-id rows, 6 chats). A test
+that corrupts an object rewrites it in storage with a manifest line that matches it
+(SHA-256, token count), so only the check under test can tell, and restores it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.dataset.parity import DTYPE_BOUNDS
+from tests.dataset.served_runs import (
+    ServedRun,
+    load_object,
+    make_run,
+    numpy_statistics,
+    served_env,
+    tampered,
+    verify,
+)
+from tests.support.processes import hsx_serve, link_demo_model
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+ROWS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, model_dir: Any) -> Iterator[ServedRun]:
+    root = tmp_path_factory.mktemp("parity-tiny")
+    model = model_dir("llama")
+    env = {**served_env(root / "objects"), "HSX_ENGINE__MODEL": str(model)}
+    with hsx_serve(root, env) as served:
+        yield make_run(served.url, root / "objects", model, root, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[ServedRun]:
+    root = tmp_path_factory.mktemp("parity-demo")
+    link_demo_model(root, demo_model)
+    with hsx_serve(root, served_env(root / "objects")) as served:
+        yield make_run(served.url, root / "objects", demo_model, root, vocab=49152)
+
+
+def parity(run: ServedRun, k: int = 8) -> list[str]:
+    return ["--parity", str(k), "--parity-model", str(run.model)]
+
+
+def failed_layers(text: str) -> set[tuple[int, int]]:
+    """(row, layer) of every parity FAIL line's failed layers."""
+    found = set()
+    for line in text.splitlines():
+        head = re.match(r"\s*FAIL row (\d+) ", line)
+        if head:
+            for layer in re.findall(r"layer (\d+): relative error", line):
+                found.add((int(head.group(1)), int(layer)))
+    return found
+
+
+@pytest.mark.parametrize("which", ["tiny", "demo"])
+def test_parity_passes_on_a_run_made_by_hsx(
+    which: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run: ServedRun = request.getfixturevalue(which)
+    code, text = verify(capsys, run, run.output, *parity(run))
+    assert code == 0, text
+    assert "parity: 8 rows" in text
+    assert "0 failed" in text
+    assert "before the final norm" in text  # the layer convention is stated
+    report = json.loads((run.output / "parity.json").read_text())
+    assert len(report["rows"]) == 8
+    assert report["bound"] == DTYPE_BOUNDS["float32"]
+    assert len({r["num_tokens"] for r in report["rows"]}) >= 6  # spread over lengths
+    worst = max(layer["relative_error"] for r in report["rows"] for layer in r["layers"])
+    print(f"{which}: worst relative error {worst:.3g}")  # the bound's margin, for the record
+    assert worst < DTYPE_BOUNDS["float32"] / 10  # measured: tiny 3e-6, SmolLM2 3e-5
+    # A fixed seed draws the same rows.
+    verify(capsys, run, run.output, *parity(run))
+    again = json.loads((run.output / "parity.json").read_text())
+    assert [r["row"] for r in again["rows"]] == [r["row"] for r in report["rows"]]
+
+
+def zero_layer(position: int) -> Any:
+    def change(tensors: dict[str, Any], _metadata: dict[str, str]) -> None:
+        tensors["hidden_states"][:, position] = 0
+
+    return change
+
+
+def shift_rows(tensors: dict[str, Any], _metadata: dict[str, str]) -> None:
+    import torch
+
+    tensors["hidden_states"] = torch.roll(tensors["hidden_states"], 1, dims=0)
+
+
+def swap_in_next_layer(position: int) -> Any:
+    def change(tensors: dict[str, Any], _metadata: dict[str, str]) -> None:
+        states = tensors["hidden_states"]
+        states[:, position] = states[:, position + 1].clone()
+
+    return change
+
+
+@pytest.mark.parametrize("corruption", ["zeros", "shifted", "wrong_layer"])
+def test_parity_names_the_row_and_layer_of_a_corrupt_object(
+    corruption: str, tiny: ServedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tiny.copy(tmp_path / "run")
+    layer_ids = json.loads((output / "job.json").read_text())["fingerprint"]["layer_ids"]
+    row, position = 3, 1
+    change = {
+        "zeros": zero_layer(position),
+        "shifted": shift_rows,
+        "wrong_layer": swap_in_next_layer(position),
+    }[corruption]
+    with tampered(tiny, output, row, change):
+        code, text = verify(capsys, tiny, output, *parity(tiny, ROWS))
+    assert code == 1, text
+    failed = failed_layers(text)
+    assert (row, layer_ids[position]) in failed, text
+    assert {r for r, _ in failed} == {row}, text  # only that row
+    if corruption != "shifted":  # a shift moves every layer; the others touch one
+        assert failed == {(row, layer_ids[position])}, text
+    report = json.loads((output / "parity.json").read_text())
+    bad = [r for r in report["rows"] if not all(x["ok"] for x in r["layers"])]
+    assert [r["row"] for r in bad] == [row]
+    errors = [x["relative_error"] for x in bad[0]["layers"] if not x["ok"]]
+    print(f"{corruption}: relative errors of the failed layers {errors}")
+
+
+def test_verify_reports_a_row_whose_norms_are_outliers(
+    tiny: ServedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, text = verify(capsys, tiny, tiny.output)
+    assert code == 0, text
+    assert "outlier" not in text, text  # a clean run has none
+    output = tiny.copy(tmp_path / "run")
+
+    def scale(tensors: dict[str, Any], _metadata: dict[str, str]) -> None:
+        tensors["hidden_states"] *= 50
+
+    with tampered(tiny, output, 8, scale):
+        code, text = verify(capsys, tiny, output)
+    assert code == 1, text
+    flagged = re.findall(r"row (\d+): layer \d+ median token norm \S+ is an outlier", text)
+    assert set(flagged) == {"8"}, text
+
+
+def other_template_ids(run: ServedRun, messages: list[dict[str, str]]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(run.model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+        "{% if add_generation_prompt %}### assistant:{% endif %}"
+    )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_token_drift_reports_a_row_rendered_by_another_template(
+    tiny: ServedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    drift = ["--token-drift", "6", "--parity-model", str(tiny.model)]
+    code, text = verify(capsys, tiny, tiny.output, *drift)
+    assert code == 0, text
+    assert "re-rendered 6 messages rows" in text
+    output = tiny.copy(tmp_path / "run")
+    row = 9
+    ids = other_template_ids(tiny, tiny.rows[row]["messages"])
+
+    def restore_from_other_template(tensors: dict[str, Any], _metadata: dict[str, str]) -> None:
+        states = tensors["hidden_states"]
+        tensors["hidden_states"] = states[torch.arange(len(ids)) % states.shape[0]].clone()
+        tensors["token_ids"] = torch.tensor(ids, dtype=torch.int64)
+
+    with tampered(tiny, output, row, restore_from_other_template):
+        code, text = verify(capsys, tiny, output, *drift)
+    assert code == 1, text
+    drifted = re.findall(r"row (\d+) \(\S+\): token drift", text)
+    assert drifted == [str(row)], text
+
+
+def test_token_drift_reports_a_changed_template_hash(
+    tiny: ServedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny.model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in model.glob("chat_template.*"):
+        extra.unlink()
+    code, text = verify(
+        capsys, tiny, tiny.output, "--token-drift", "3", "--parity-model", str(model)
+    )
+    assert code == 1, text
+    assert "chat template SHA-256" in text
+    assert "differs from the run's" in text
+    assert len(re.findall(r"token drift: stored token ids", text)) == 3
+
+
+def test_verify_refuses_objects_of_mixed_provenance_unless_allowed(
+    tiny: ServedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tiny.copy(tmp_path / "run")
+    first = load_object((tiny.storage / tiny.records()[0]["key"]).read_bytes())[1]
+    served = {k: v for k, v in first.items() if k.startswith("hsx.provenance.")}
+
+    def other_weights(_tensors: dict[str, Any], metadata: dict[str, str]) -> None:
+        metadata["hsx.provenance.weights_sha256"] = "0" * 64
+
+    with tampered(tiny, output, 5, other_weights):
+        code, text = verify(capsys, tiny, output)
+        assert code == 1, text
+        assert "objects of 2 provenances" in text, text
+        assert "weights_sha256" in text, text
+        assert "--allow-mixed-provenance" in text
+        code, text = verify(capsys, tiny, output, "--allow-mixed-provenance")
+        assert code == 0, text
+    if served:  # the server's part of issue 28: every object carries its provenance
+        card = json.loads((tiny.output / "job.json").read_text())["provenance"]
+        assert {f"hsx.provenance.{k}": v for k, v in card.items()} == served
+
+
+def test_statistics_json_equals_numpy_over_the_stored_objects(tiny: ServedRun) -> None:
+    stats = json.loads((tiny.output / "statistics.json").read_text())
+    assert (stats["objects"], stats["objects_without_statistics"]) == (ROWS, 0), stats
+    records = tiny.records()
+    objects = [(tiny.storage / records[row]["key"]).read_bytes() for row in sorted(records)]
+    expected = numpy_statistics(objects)
+    for layer, want in zip(stats["layers"], expected, strict=True):
+        for name, value in want.items():
+            assert layer[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (layer["layer"], name)
+
+
+def test_job_json_records_the_servers_provenance(tiny: ServedRun) -> None:
+    import httpx
+
+    card = httpx.get(f"{tiny.url}/v1/models", timeout=30).json()["data"][0]
+    job = json.loads((tiny.output / "job.json").read_text())
+    assert len(card["provenance"]["weights_sha256"]) == 64
+    assert job["provenance"] == card["provenance"]
