@@ -61,9 +61,9 @@ TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
-# The inner loop: every test that starts no vLLM engine.
+# The inner loop: every test that starts no vLLM engine, on the same workers.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not engine" -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not engine" -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run

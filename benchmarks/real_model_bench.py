@@ -18,6 +18,7 @@ import asyncio
 import json
 import random
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,15 @@ NOTES = """- **SmolLM2 bf16 rows (real activations)**: the codec rows again, on 
   on the width). All three grow linearly with hidden size and with the number of layers
   extracted: multiply by H / 576 for hidden H (x7.1 for 4096, x14.2 for 8192) and by the
   layer count; e.g. 1M tokens of 4 layers at hidden 4096 is 32.8 GB `raw` in bf16.
+- **selected positions** (`tokens` on `/extract`): the same engine, 8 prompts of
+  exactly 1024 tokens (`quick`: 2 of 96) built as above, each batch extracted with
+  `tokens` = `all`, `last` and `mean` (raw codec), in 3 interleaved rounds (all, last,
+  mean, all, ...): bytes are the stored objects' total per prompt (header, int64
+  `token_ids` of the whole prompt and the `positions` tensor included: why `last` is not
+  1/1024 of `all`), throughput is prompt tokens per second of the batch, the median
+  round of each. Only the selected rows leave the KV cache and go through the writer;
+  the forward pass is the same, so on this CPU the throughput gain is the writer's and
+  storage's share of the work.
 """
 
 #: Row-name prefixes this bench writes (``benchmarks.run --only`` replaces these rows).
@@ -93,6 +103,19 @@ SYSTEM_PROMPTS = (
     "You are a concise assistant. Answer clearly and accurately.",
     "You are a patient tutor who explains things step by step with examples.",
 )
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The selected-positions rows' prompts: how many, all of one length, and rounds."""
+
+    prompts: int = 8
+    length: int = 1024
+    rounds: int = 3
+
+
+SELECTION_QUICK = Selection(prompts=2, length=96, rounds=1)
+SELECTIONS = ("all", "last", "mean")
 
 
 @dataclass(frozen=True)
@@ -232,6 +255,10 @@ class Measured:
 
     sizes: dict[str, int] = field(default_factory=dict)
     objects: dict[str, list[bytes]] = field(default_factory=dict)
+    #: Per selection (``tokens``): stored bytes of one batch, and its wall time per round.
+    selection_bytes: dict[str, int] = field(default_factory=dict)
+    selection_seconds: dict[str, list[float]] = field(default_factory=dict)
+    selection_tokens: int = 0
 
 
 async def _extract_all(extractor: Any, prompts: list[list[int]]) -> Measured:
@@ -250,7 +277,28 @@ async def _extract_all(extractor: Any, prompts: list[list[int]]) -> Measured:
     return measured
 
 
-async def _measure(scratch: Path, plan: Plan) -> tuple[list[list[int]], Measured, list[int]]:
+async def _extract_selections(
+    extractor: Any, prompts: list[list[int]], rounds: int, measured: Measured
+) -> None:
+    """Each batch once per selection per round, interleaved, so every selection sees
+    the same machine; bytes and wall times into ``measured``; objects deleted."""
+    measured.selection_tokens = sum(len(p) for p in prompts)
+    for _ in range(rounds):
+        for tokens in SELECTIONS:
+            params = [extractor.request_params("real", tokens=tokens) for _ in prompts]
+            start = time.perf_counter()
+            results = await asyncio.gather(
+                *(extractor.extract(p, q) for p, q in zip(prompts, params, strict=True))
+            )
+            measured.selection_seconds.setdefault(tokens, []).append(time.perf_counter() - start)
+            measured.selection_bytes[tokens] = sum(r.size for r in results)
+            for r in results:
+                await extractor.storage.delete(r.key)
+
+
+async def _measure(
+    scratch: Path, plan: Plan, selection: Selection
+) -> tuple[list[list[int]], Measured, list[int]]:
     """Start SmolLM2 in bfloat16, extract the prompts; the prompts, what was stored and
     the layer ids."""
     from transformers import AutoTokenizer
@@ -259,12 +307,15 @@ async def _measure(scratch: Path, plan: Plan) -> tuple[list[list[int]], Measured
     from service.engine.extractor import Extractor
 
     model = demo_model.prepare(MODEL_DIR)
-    prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = build_prompts(tokenizer, plan)
+    long_plan = Plan(selection.prompts, selection.length, selection.length)
+    long_prompts = build_prompts(tokenizer, long_plan, seed=1)
     settings = Settings(
         engine={
             "model": str(model),
             "dtype": "bfloat16",
-            "max_model_len": 1024,
+            "max_model_len": 1040,  # the 1024-token prompts plus their one new token
             "cpu_kvcache_space_gib": 1,
             "gpu_memory_utilization": 0.5,
             "enable_prefix_caching": False,
@@ -277,6 +328,7 @@ async def _measure(scratch: Path, plan: Plan) -> tuple[list[list[int]], Measured
     extractor = await Extractor.start(settings)
     try:
         measured = await _extract_all(extractor, prompts)
+        await _extract_selections(extractor, long_prompts, selection.rounds, measured)
         layer_ids = list(extractor.layer_ids)
     finally:
         await extractor.close()
@@ -380,14 +432,48 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     """
     del timer
     plan = QUICK if quick else Plan()
-    prompts, measured, layer_ids = await _measure(scratch, plan)
+    selection = SELECTION_QUICK if quick else Selection()
+    prompts, measured, layer_ids = await _measure(scratch, plan, selection)
     tokens = sum(len(p) for p in prompts)
     hidden = _hidden_size(measured)
     return [
         *_bytes_rows(measured, tokens, len(prompts)),
         *_error_rows(measured, layer_ids),
         _sizing_row(measured, tokens, len(layer_ids), hidden),
+        *_selection_rows(measured, selection),
     ]
+
+
+def _selection_rows(measured: Measured, selection: Selection) -> list[Row]:
+    """``last`` and ``mean`` against ``all``: stored bytes per prompt, and throughput."""
+    count, tokens_total = selection.prompts, measured.selection_tokens
+    where = f"{LABEL} (real activations), {count} prompts, {tokens_total} tokens, raw"
+    size = {k: v / count for k, v in measured.selection_bytes.items()}
+    speed = {
+        k: measured.selection_tokens / statistics.median(v)
+        for k, v in measured.selection_seconds.items()
+    }
+    rows = []
+    for tokens in ("last", "mean"):
+        rows.append(
+            Row(
+                f"{where}: tokens={tokens} vs tokens=all, stored bytes per prompt",
+                f"{size[tokens]:.0f} B",
+                f"{size['all']:.0f} B",
+                size[tokens] / size["all"],
+                "info",
+            )
+        )
+        rows.append(
+            Row(
+                f"{where}: tokens={tokens} vs tokens=all, throughput (ratio: throughput)",
+                f"{speed[tokens]:.0f} tok/s",
+                f"{speed['all']:.0f} tok/s",
+                speed[tokens] / speed["all"],
+                ">= 1.0",
+            )
+        )
+    return rows
 
 
 def _hidden_size(measured: Measured) -> int:
@@ -398,7 +484,6 @@ def _hidden_size(measured: Measured) -> int:
 if __name__ == "__main__":  # vLLM starts its engine process: guard the entry point
     import sys
     import tempfile
-    import time
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hsx-real-model-bench-") as tmp:

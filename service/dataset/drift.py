@@ -107,7 +107,7 @@ async def drift_check(
 ) -> DriftReport:
     """Re-render ``k`` sampled messages rows of one run directory; see the module."""
     from service.dataset.manifest import load_records
-    from service.dataset.verify import read_states
+    from service.dataset.objects import read_states
     from service.masks import conversation_ids
 
     report = DriftReport()

@@ -258,7 +258,7 @@ async def check_rows(
 ) -> None:
     """Fetch, decode and compare each sampled row (one at a time: the forward pass is
     the cost, and it uses every core already)."""
-    from service.dataset.verify import read_states
+    from service.dataset.objects import read_states
 
     for item in rows:
         record, fp = item.record, item.job.fingerprint

@@ -17,29 +17,20 @@ and re-renders a sample of ``messages`` rows (``service.dataset.drift``).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from service.client import AsyncHsxClient, HsxError
+from service.client import AsyncHsxClient
 from service.config import S3StorageSettings
 from service.dataset.inputs import iter_rows, open_source
 from service.dataset.manifest import Job, Record, load_job, load_records
-from service.dataset.objects import decode_tensors
+from service.dataset.objects import decode_tensors, fetch, provenance_of
 from service.dataset.statistics import OUTLIER_Z, outliers
 from service.dataset.store import RunStore
 
 if TYPE_CHECKING:
-    import torch
-
     from service.dataset.parity import ParityReport
-
-#: The prefix of the provenance keys in every object's ``__metadata__``.
-PROVENANCE_PREFIX = "hsx.provenance."
 
 
 @dataclass(frozen=True)
@@ -258,55 +249,13 @@ def _input_ids(job: Job) -> dict[int, list[int]]:
     }
 
 
-async def _fetch(client: AsyncHsxClient, record: Record) -> tuple[bytes | None, str | None]:
-    """The object's bytes, checked against the manifest's SHA-256, or the problem."""
-    try:
-        data = await client.get_object(record.key or "")
-    except httpx.HTTPError as exc:
-        return None, f"cannot read: {exc}"
-    except HsxError as exc:
-        return None, f"GET answered {exc.status}"
-    if hashlib.sha256(data).hexdigest() != record.sha256:
-        return None, "checksum differs from the manifest"
-    return data, None
-
-
-async def read_states(
-    client: AsyncHsxClient, job: Job, record: Record
-) -> tuple[torch.Tensor | None, list[int] | None, str | None]:
-    """A row's decoded states [T, L, H] and token ids, or why they cannot be read."""
-    data, problem = await _fetch(client, record)
-    if data is None:
-        return None, None, problem
-    try:
-        tensors = await asyncio.to_thread(decode_tensors, data, job.fingerprint.codec)
-    except Exception as exc:
-        return None, None, f"not a safetensors object: {exc}"
-    states, tokens = tensors.get("hidden_states"), tensors.get("token_ids")
-    if states is None or tokens is None:
-        return None, None, "no hidden_states or token_ids"
-    return states, [int(t) for t in tokens.tolist()], None
-
-
 async def _check(
     client: AsyncHsxClient, job: Job, record: Record, ids: list[int] | None
 ) -> Checked:
-    data, problem = await _fetch(client, record)
+    data, problem = await fetch(client, record)
     if data is None:
         return Checked(problem)
     return await asyncio.to_thread(_check_tensors, data, job, record, ids)
-
-
-def provenance_of(data: bytes) -> dict[str, str]:
-    """The ``hsx.provenance.*`` entries of a safetensors object's ``__metadata__``
-    (names without the prefix), read from its header alone."""
-    (length,) = struct.unpack("<Q", data[:8])
-    metadata = json.loads(data[8 : 8 + length]).get("__metadata__") or {}
-    return {
-        k.removeprefix(PROVENANCE_PREFIX): str(v)
-        for k, v in metadata.items()
-        if k.startswith(PROVENANCE_PREFIX)
-    }
 
 
 def _check_tensors(data: bytes, job: Job, record: Record, ids: list[int] | None) -> Checked:

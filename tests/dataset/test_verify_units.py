@@ -7,9 +7,9 @@ import pytest
 
 from service.dataset.drift import differs
 from service.dataset.manifest import Record
+from service.dataset.objects import provenance_of
 from service.dataset.parity import ParityError, Sampled, bound_for, compare, sample
 from service.dataset.store import RunStore
-from service.dataset.verify import provenance_of
 
 
 def candidates(count: int) -> list[Sampled]:
