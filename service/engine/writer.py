@@ -178,19 +178,7 @@ class _Encoded:
         return sum(memoryview(part).nbytes for part in self.parts)
 
     def stored(self, key: str, ref: ObjectRef, write_s: float) -> StoredObject:
-        return StoredObject(
-            key=key,
-            uri=ref.uri,
-            size=ref.size,
-            sha256=ref.sha256,
-            num_tokens=self.num_tokens,
-            shape=self.shape,
-            num_loss_tokens=self.num_loss_tokens,
-            layer_ids=self.layer_ids,
-            statistics=self.statistics,
-            copy_s=self.copy_s,
-            write_s=write_s,
-        )
+        return self._object(key, ref.uri, ref.size, ref.sha256, write_s)
 
     def inline(self, key: str, limit: int, write_s: float) -> StoredObject:
         """The object answered inline: its bytes, written nowhere (``uri`` empty).
@@ -206,11 +194,19 @@ class _Encoded:
                 "tokens (tokens) or layers, or a smaller codec"
             )
         data = b"".join(self.parts)
+        return self._object(
+            key, "", len(data), hashlib.sha256(data).hexdigest(), write_s, data=data
+        )
+
+    def _object(
+        self, key: str, uri: str, size: int, sha256: str, write_s: float, data: bytes | None = None
+    ) -> StoredObject:
+        """The completion's record of this object, wherever its bytes went."""
         return StoredObject(
             key=key,
-            uri="",
-            size=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
+            uri=uri,
+            size=size,
+            sha256=sha256,
             num_tokens=self.num_tokens,
             shape=self.shape,
             num_loss_tokens=self.num_loss_tokens,
