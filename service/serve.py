@@ -114,8 +114,10 @@ def _serve(settings: Settings) -> int:
         info, layer_ids = startup.check_model(str(settings.engine.model), settings.engine.layer_ids)
         from service.api.app import create_app, mark_draining  # vLLM: after the quick checks
         from service.engine.builder import Prepared
+        from service.engine.provenance import build_provenance
 
-        prepared = Prepared(info, layer_ids, storage, metrics)
+        provenance = build_provenance(str(settings.engine.model), info.revision)
+        prepared = Prepared(info, layer_ids, storage, metrics, provenance)
         app = create_app(settings, keys=keys, prepared=prepared)
     except BaseException:
         asyncio.run(storage.close())

@@ -61,13 +61,13 @@ class Prepared:
     """What start-up proved before the engine starts, handed to it so nothing is read or
     opened twice: the model's config (``info``), the layer ids resolved against it, and
     the storage opened (instrumented into ``metrics.storage``), and the server's
-    provenance (None: ``Extractor.start`` builds it, still before the engine)."""
+    provenance (built once, before the engine: the workers get it whole)."""
 
     info: ModelInfo
     layer_ids: list[int]
     storage: Storage
     metrics: ExtractorMetrics
-    provenance: Provenance | None = None
+    provenance: Provenance
 
 
 def prepare(settings: Settings, storage_factory: str | None = None) -> Prepared:

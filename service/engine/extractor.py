@@ -27,7 +27,7 @@ from service.engine.errors import (
     InvalidStatesError,
 )
 from service.engine.front_end import VllmFrontEnd
-from service.engine.provenance import Provenance, build_provenance
+from service.engine.provenance import Provenance
 from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
 from service.metrics import ExtractorMetrics
 from service.storage import Storage
@@ -117,11 +117,7 @@ class Extractor:
         if prepared is None:
             prepared = prepare(settings, storage_factory)
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
-        # Once per start-up, here in the API process and before the engine's arguments:
-        # the workers get it whole and hash nothing.
-        provenance = prepared.provenance or build_provenance(
-            str(settings.engine.model), info.revision
-        )
+        provenance = prepared.provenance
         log.info("hsx: provenance %s", provenance.fields())
         metrics.name_model(served_model_name(info.name))
         scratch = tempfile.TemporaryDirectory(prefix="hsx-")

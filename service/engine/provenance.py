@@ -3,7 +3,7 @@
 A run of training data can only be reproduced (or its silent corruption traced) if each
 object says what produced it: a different vLLM, torch or checkpoint changes the states
 without changing any shape. :class:`Provenance` is built once per start-up in the API
-process, before the engine's arguments are (``Extractor.start``), travels to the
+process, before the engine's arguments are (``builder.prepare``, ``hsx serve``), travels to the
 EngineCore in ``wire.ConnectorConfig`` and is written into every object's
 ``__metadata__`` as ``hsx.provenance.<field>`` strings (``objects.object_metadata``; the
 keys are reserved), and shown by ``/v1/models`` as ``ModelCard.provenance``.
