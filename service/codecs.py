@@ -654,29 +654,37 @@ def read_safetensors_header(
     length = int.from_bytes(view[:8], "little")
     if length > min(MAX_HEADER_BYTES, view.nbytes - 8):
         raise _corrupt(f"a header of {length} bytes in an object of {view.nbytes}")
+    return parse_safetensors_header(view[: 8 + length], view.nbytes)
+
+
+def parse_safetensors_header(
+    header: bytes | memoryview, size: int
+) -> tuple[dict[str, str], dict[str, TensorEntry]]:
+    """``read_safetensors_header`` from the header alone (its 8-byte length and JSON)
+    of a file of ``size`` bytes: the same checks, no tensor byte needed."""
+    view = memoryview(header).cast("B")
+    length = view.nbytes - 8
     try:
-        header = json.loads(bytes(view[8 : 8 + length]))
+        parsed = json.loads(bytes(view[8 : 8 + length]))
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deeply
         raise _corrupt(f"the header is not JSON ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
-        raise _corrupt(f"the header is a JSON {type(header).__name__}, not an object")
-    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(parsed, dict):
+        raise _corrupt(f"the header is a JSON {type(parsed).__name__}, not an object")
+    metadata = parsed.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise _corrupt("__metadata__ is not an object of strings")
     start, tensors = 8 + length, {}
-    for name, spec in header.items():
+    for name, spec in parsed.items():
         tensors[name] = _tensor_entry(name, spec, start)
     position = start
     for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin != position:
             raise _corrupt(f"tensor {name[:64]!r} does not start where the one before ends")
         position = entry.end
-    if position != view.nbytes:
-        raise _corrupt(
-            f"the tensors hold {position - start} bytes, the object {view.nbytes - start}"
-        )
+    if position != size:
+        raise _corrupt(f"the tensors hold {position - start} bytes, the object {size - start}")
     return metadata, tensors
 
 

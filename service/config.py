@@ -20,6 +20,8 @@ from service.codecs import Codec
 from service.storage.expiry import MAX_TTL_S
 
 MIB = 1024 * 1024
+#: Mooncake refuses to mount a smaller global segment (setup fails with -600).
+MOONCAKE_MIN_SEGMENT = 16 * MIB
 # S3 refuses parts below 5 MiB (except the last) and more than 10,000 parts.
 S3_MIN_PART_SIZE = 5 * MIB
 S3_MAX_PART_SIZE = 5 * 1024 * MIB
@@ -178,6 +180,52 @@ class LocalStorageSettings(BaseModel):
     )
 
 
+class MooncakeStorageSettings(BaseModel):
+    """Options of the Mooncake backend (``mooncake://MASTER_HOST:PORT``): the
+    in-memory store speculators' and SpecForge's trainers read hidden states from.
+    Passed to ``MooncakeDistributedStore.setup`` as hs-connectors passes them."""
+
+    metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        description="Transfer-engine metadata: `P2PHANDSHAKE` (none needed), or an "
+        "`http://`/etcd address.",
+    )
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Transfer protocol.")
+    device_name: str = Field(
+        "", description="RDMA device(s), e.g. `mlx5_0`; empty lets Mooncake choose."
+    )
+    local_hostname: str = Field(
+        "",
+        description="The address other store members reach this process at; empty: "
+        "127.0.0.1 for a master on loopback, else this host's address.",
+    )
+    segment_bytes: int = Field(
+        1024 * MIB,
+        ge=0,
+        description="Memory the writer contributes to the store: the store's capacity when "
+        "hsx is its only member (0, or at least 16 MiB: Mooncake's smallest segment). A "
+        "full store refuses writes (507), it never evicts.",
+    )
+    buffer_bytes: int = Field(
+        256 * MIB,
+        ge=MIB,
+        description="Each client's transfer buffer: the largest object it can write.",
+    )
+    replicas: int = Field(1, ge=1, le=8, description="Copies of each object, on distinct members.")
+    metrics_url: str | None = Field(
+        None,
+        description="The master's HTTP metrics (`http://HOST:9003/metrics`): the store's "
+        "bytes, capacity and evictions in `hsx_storage_store_*`. Unset: not exported.",
+    )
+
+    @field_validator("segment_bytes")
+    @classmethod
+    def _segment_is_mountable(cls, value: int) -> int:
+        if 0 < value < MOONCAKE_MIN_SEGMENT:
+            raise ValueError(f"must be 0 or at least {MOONCAKE_MIN_SEGMENT} (16 MiB)")
+        return value
+
+
 class S3StorageSettings(BaseModel):
     """Options of the S3 backend (``s3://bucket/prefix``). Credentials come only from
     the standard AWS chain (environment, shared files, IRSA), never from here."""
@@ -225,8 +273,8 @@ class StorageSettings(BaseModel):
 
     url: str = Field(
         "var/objects",
-        description="Storage URL: `file:///abs/path` (or a plain path) or "
-        "`s3://bucket/prefix`. The scheme picks the backend.",
+        description="Storage URL: `file:///abs/path` (or a plain path), "
+        "`s3://bucket/prefix` or `mooncake://MASTER_HOST:PORT`. The scheme picks the backend.",
     )
     key_prefix: str = Field(
         "hsx", description="First segment of every object key, before the namespace."
@@ -261,6 +309,14 @@ class StorageSettings(BaseModel):
     )
     local: LocalStorageSettings = Field(default_factory=LocalStorageSettings)
     s3: S3StorageSettings = Field(default_factory=S3StorageSettings)
+    mooncake: MooncakeStorageSettings = Field(default_factory=MooncakeStorageSettings)
+
+    def for_reader(self) -> StorageSettings:
+        """These settings for a process that reads and deletes objects but never writes
+        them (the API; the engine's writer has its own client): a Mooncake client then
+        contributes no memory to the store."""
+        mooncake = self.mooncake.model_copy(update={"segment_bytes": 0})
+        return self.model_copy(update={"mooncake": mooncake})
 
     @field_validator("key_prefix")
     @classmethod

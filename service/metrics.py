@@ -26,10 +26,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.storage.base import StorageOp, Swept
+from service.storage.base import Storage, StorageOp, Swept
 
 if TYPE_CHECKING:
     from service.engine.wire import Completion, StoredObject
@@ -41,7 +41,8 @@ OPERATIONS = ("put", "get", "head", "exists", "list", "delete", "ping")
 #: Storage error kinds (``StorageError.kind`` of service.storage.base), pre-registered
 #: too, so that a dashboard's error rate reads 0, not "no data", while all is well.
 ERROR_KINDS = (
-    "error", "not_found", "already_exists", "invalid_key", "unavailable", "config", "integrity"
+    "error", "not_found", "already_exists", "invalid_key", "unavailable", "config", "integrity",
+    "full",
 )  # fmt: skip
 #: Why the sweeper removed something (``hsx_storage_swept_objects_total{reason}``).
 SWEEP_REASONS = ("expired", "orphan")
@@ -198,3 +199,38 @@ class ExtractorMetrics(Collector):
 
     def collect(self) -> Iterable[Metric]:
         return self.registry.collect()
+
+
+class StoreCollector(Collector):
+    """The whole store's bytes, capacity, objects and evictions, for a bounded store
+    (Mooncake: read from its master's metrics, ``Storage.usage``); nothing for disks and
+    buckets. Collected off the event loop (the ``/metrics`` route renders in a thread)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+
+    def collect(self) -> Iterable[Metric]:
+        usage = self._storage.usage()
+        if usage is None:
+            return
+        backend = self._storage.scheme
+        for name, text, value in (
+            ("hsx_storage_store_bytes", "Bytes the whole store holds.", usage.bytes),
+            (
+                "hsx_storage_store_capacity_bytes",
+                "Bytes the store's members contribute; a full store refuses writes (507).",
+                usage.capacity_bytes,
+            ),
+            ("hsx_storage_store_objects", "Objects the whole store holds.", usage.objects),
+        ):
+            gauge = GaugeMetricFamily(name, text, labels=["backend"])
+            gauge.add_metric([backend], value)
+            yield gauge
+        evictions = CounterMetricFamily(
+            "hsx_storage_store_evictions",
+            "Objects the store itself evicted (hsx pins its objects: this stays 0 "
+            "unless another writer shares the store).",
+            labels=["backend"],
+        )
+        evictions.add_metric([backend], usage.evicted_objects)
+        yield evictions

@@ -152,11 +152,21 @@ async def check_storage(settings: Settings, observer: StorageObserver | None = N
     from service.storage import open_storage
 
     url = settings.storage.url
-    fix = "use a writable directory, file:///abs/path or s3://bucket/prefix"
+    fix = (
+        "use a writable directory, file:///abs/path, s3://bucket/prefix or "
+        "mooncake://MASTER_HOST:PORT"
+    )
     try:
-        storage = open_storage(settings.storage, observer)
+        storage = open_storage(settings.storage.for_reader(), observer)
     except Exception as exc:
         raise StartupError("storage.url", f"{url!r} is unusable: {exc}", fix) from exc
+    if settings.storage.default_ttl_s is not None and not storage.expires:
+        await storage.close()
+        raise StartupError(
+            "storage.default_ttl_s",
+            f"{url!r} cannot expire objects",
+            "unset it: readers of this store delete what they read",
+        )
     try:
         await storage.ping()
     except Exception as exc:
@@ -164,6 +174,8 @@ async def check_storage(settings: Settings, observer: StorageObserver | None = N
         fix = (
             "check the bucket, endpoint, region and AWS credentials"
             if url.startswith("s3://")
+            else "start the Mooncake master, or check its host and port"
+            if url.startswith("mooncake://")
             else fix
         )
         raise StartupError("storage.url", f"{url!r} does not answer: {exc}", fix, FAILED) from exc

@@ -27,7 +27,7 @@ from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
 from service.engine.builder import Prepared, served_model_name
-from service.metrics import ExtractorMetrics
+from service.metrics import ExtractorMetrics, StoreCollector
 from service.storage import scheme_of
 from service.storage.local import root_from_url
 from service.storage.sweeper import sweep_forever
@@ -191,6 +191,7 @@ async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
     settings = edge.settings
     # Storage and writer metrics belong to the extractor (fed by both processes).
     edge.registry.register(extractor.metrics)
+    edge.registry.register(StoreCollector(extractor.storage))
     local = scheme_of(settings.storage.url) == "file"
     probe = StorageProbe(
         extractor.storage,

@@ -145,10 +145,12 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _storage_error(_: Request, exc: Exception) -> JSONResponse:
-    from service.storage.base import StorageUnavailableError
+    from service.storage.base import StorageFullError, StorageUnavailableError
 
     # The detail (paths, bucket, endpoint) goes to the log, never to the client.
     log.warning("hsx: storage error: %s", exc)
+    if isinstance(exc, StorageFullError):
+        return ApiError(507, "storage_full", "storage: the store is full").response()
     if isinstance(exc, StorageUnavailableError):
         return ApiError(503, "storage_error", "storage: unavailable; retry later").response()
     return ApiError(502, "storage_error", "storage: the operation failed").response()

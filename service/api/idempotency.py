@@ -40,6 +40,7 @@ from service.codecs import ObjectHeader, read_object
 from service.engine.errors import IdempotencyConflictError, InvalidPromptError, StorageWriteError
 from service.engine.objects import is_reserved
 from service.engine.wire import Extraction
+from service.packed import as_safetensors, manifest_of
 from service.storage import NotFoundError, Storage
 from service.storage.keys import idempotent_key
 
@@ -142,10 +143,11 @@ class _Check:
         """The stored object, if any, once it is known to be the one this request asks
         for; None if there is none; IdempotencyConflictError otherwise."""
         try:
-            data = await self.storage.get(self.key)
+            stored_bytes = await self.storage.get(self.key)
         except NotFoundError:
             return None
         try:
+            data = as_safetensors(stored_bytes, self.storage.container)
             header = read_object(data)
             stored = _integers(header, data, "token_ids", "<i8")
             mask = (
@@ -163,11 +165,13 @@ class _Check:
                 "one request: repeat it as it was to get the object, or use another custom_id"
             )
         prompt = len(self.token_ids)
+        packed = self.storage.container == "packed"
         return Found(
             key=self.key,
             uri=self.storage.uri(self.key),
-            size=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
+            size=len(stored_bytes),
+            sha256=hashlib.sha256(stored_bytes).hexdigest(),
+            transfer=manifest_of(stored_bytes, self.key) if packed else None,
             num_tokens=len(stored),
             shape=header.shape,
             codec=header.codec,

@@ -67,6 +67,14 @@ class ExtractOptions:
             raise ApiError(
                 422, "invalid_request", f"ttl_s: must be 1 to {MAX_TTL_S} seconds", field="ttl_s"
             )
+        if ttl_s is not None and not inline and not state.storage.expires:
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"ttl_s: {state.storage.scheme}:// storage cannot expire objects; the "
+                "reader deletes what it read",
+                field="ttl_s",
+            )
         return cls(
             max_tokens=max_tokens,
             include_output_tokens=include_output_tokens,

@@ -373,7 +373,14 @@ def hidden_states_path(uri: str) -> str:
 def transfer_params(extraction: Any) -> dict[str, Any]:
     """``kv_transfer_params`` of one durable object, as vLLM's clients read them; an
     object answered inline (``return: inline``) adds ``data``, its safetensors bytes in
-    base64, and has no path or uri."""
+    base64, and has no path or uri.
+
+    An object in Mooncake (``mooncake://`` storage) is answered as hs-connectors'
+    Mooncake connector answers: its transfer manifest (``handle``, ``version``,
+    ``tensors``, ``metadata``), which ``MooncakeTransfer.get_generated`` reads, and no
+    ``hidden_states_path`` (speculators deletes a sample by that path first, and
+    Mooncake knows the object only by its handle).
+    """
     params = {
         "hidden_states_path": hidden_states_path(extraction.uri),
         "handle": extraction.key,
@@ -388,6 +395,9 @@ def transfer_params(extraction: Any) -> dict[str, Any]:
     }
     if extraction.data is not None:
         params["data"] = base64.b64encode(extraction.data).decode()
+    if extraction.transfer is not None:
+        del params["hidden_states_path"]
+        params.update(extraction.transfer.model_dump())
     return params
 
 

@@ -27,6 +27,7 @@ _STATUS = {error.error_type: error.status for error in FAILURES}
 #: Failure types whose detail stays in the server log, and what the client reads instead.
 _PRIVATE = {
     "storage_error": "storage: the object could not be written",
+    "storage_full": "storage: the store is full; delete objects that were read, then retry",
     "engine_unavailable": "the engine is not running",
     "internal_error": "internal error",
 }

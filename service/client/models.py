@@ -74,6 +74,12 @@ class StoredObject(_Body):
         description="With `return: inline`: the object itself, safetensors bytes in base64 "
         "(nothing is stored: `uri` is empty). Absent for a stored object.",
     )
+    transfer: dict[str, Any] | None = Field(
+        None,
+        description="With `mooncake://` storage: hs-connectors' versioned transfer manifest "
+        "(handle, tensors' shapes, dtypes and offsets, total_aligned_bytes, sha256); "
+        "`MooncakeTransfer.get_generated(transfer)` reads the object. Absent elsewhere.",
+    )
 
     def content(self) -> builtins.bytes:
         """The inline object's safetensors bytes; ValueError for a stored object (fetch

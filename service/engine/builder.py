@@ -81,7 +81,7 @@ def prepare(settings: Settings, storage_factory: str | None = None) -> Prepared:
     layer_ids = resolve_layer_ids(settings.engine.layer_ids, info.num_layers)
     provenance = build_provenance(model, info.revision)
     metrics = ExtractorMetrics(scheme_of(settings.storage.url))
-    storage = open_storage(settings.storage, metrics.storage, factory=storage_factory)
+    storage = open_storage(settings.storage.for_reader(), metrics.storage, factory=storage_factory)
     return Prepared(info, layer_ids, storage, metrics, provenance)
 
 

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Completion", "CompletionReceiver", "CompletionSender"]
 
+#: How long closing waits for one more completion before it takes the queue as empty.
+DRAIN_WAIT_MS = 100
+
 
 class CompletionSender:
     """Worker side: PUSH completions (one socket, used from one thread)."""
@@ -144,12 +147,11 @@ class CompletionReceiver:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        while True:
-            try:
-                raw = await self._socket.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._handle(raw)
+        # Sent is not yet received: ZeroMQ's I/O thread may still be moving the last
+        # messages from the socket into the queue (a loaded machine); wait a moment for
+        # each before deciding none is left.
+        while await self._socket.poll(timeout=DRAIN_WAIT_MS):
+            self._handle(await self._socket.recv())
         if self._orphans:
             await asyncio.gather(*self._orphans, return_exceptions=True)
         for future in self._waiting.values():

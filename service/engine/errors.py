@@ -24,6 +24,16 @@ class StorageWriteError(ExtractionError):
     status = 502
 
 
+class StorageFullError(StorageWriteError):
+    """The store had no room for the object (an in-memory store at its capacity).
+
+    Nothing was written; the request can be retried once readers delete what they read.
+    """
+
+    error_type = "storage_full"
+    status = 507
+
+
 class InvalidStatesError(ExtractionError):
     """The states were computed but failed validation (NaN/Inf, an all-zero layer).
 
@@ -64,6 +74,7 @@ class IdempotencyConflictError(ExtractionError):
 #: Every per-prompt failure, most severe first (a request takes its worst prompt's).
 FAILURES: tuple[type[ExtractionError], ...] = (
     EngineUnavailableError,
+    StorageFullError,
     StorageWriteError,
     InvalidStatesError,
     ExtractionError,

@@ -193,6 +193,28 @@ class RequestParams(_Message):
         return None if raw is None else cls.model_validate(raw)
 
 
+class PackedTensor(_Message):
+    """Where one tensor lies in a packed object (hs-connectors' ``packed_layout``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    """torch's name: ``torch.float32``."""
+    nbytes: int
+    offset: int
+
+
+class TransferManifest(_Message):
+    """hs-connectors' versioned Mooncake transfer manifest (``mooncake_store.VERSION``
+    1): what ``MooncakeTransfer.get_generated`` reads an object with. ``metadata`` has
+    ``num_tokens``, ``total_aligned_bytes`` (the object's size) and ``sha256`` (of the
+    stored object)."""
+
+    handle: str
+    version: int
+    tensors: dict[str, PackedTensor]
+    metadata: dict[str, int | str]
+
+
 class StoredObject(_Message):
     """One durable object: where it is, what it holds, what it took; or, answered
     inline (``RequestParams.inline_bytes``), the object itself in ``data``."""
@@ -225,9 +247,14 @@ class StoredObject(_Message):
     data: bytes | None = None
     """The object's bytes when answered inline (``uri`` is then empty and nothing is
     stored under ``key``); None for a stored object."""
+    transfer: TransferManifest | None = None
+    """For an object stored in hs-connectors' Mooncake layout (``service.packed``): the
+    manifest its readers need; None on every other backend."""
 
 
-FailureType = Literal["storage_error", "invalid_hidden_states", "invalid_request", "internal_error"]
+FailureType = Literal[
+    "storage_error", "storage_full", "invalid_hidden_states", "invalid_request", "internal_error"
+]
 
 
 class WriteFailure(_Message):

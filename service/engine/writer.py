@@ -39,13 +39,22 @@ from service.engine.errors import (
     ExtractionError,
     InvalidPromptError,
     InvalidStatesError,
+    StorageFullError,
     StorageWriteError,
 )
 from service.engine.jobs import WriteJob
 from service.engine.objects import loss_mask, serialize_parts
 from service.engine.statistics import layer_statistics
-from service.engine.wire import Completion, FailureType, StoredObject, WriteFailure
+from service.engine.wire import (
+    Completion,
+    FailureType,
+    StoredObject,
+    TransferManifest,
+    WriteFailure,
+)
+from service.packed import pack
 from service.storage import ObjectRef, StorageError, StorageOp, open_storage
+from service.storage import StorageFullError as StoreFull
 from service.storage.expiry import expires_at
 
 log = logging.getLogger(__name__)
@@ -177,8 +186,14 @@ class _Encoded:
     def nbytes(self) -> int:
         return sum(memoryview(part).nbytes for part in self.parts)
 
-    def stored(self, key: str, ref: ObjectRef, write_s: float) -> StoredObject:
-        return self._object(key, ref.uri, ref.size, ref.sha256, write_s)
+    def stored(
+        self,
+        key: str,
+        ref: ObjectRef,
+        write_s: float,
+        transfer: TransferManifest | None = None,
+    ) -> StoredObject:
+        return self._object(key, ref.uri, ref.size, ref.sha256, write_s, transfer=transfer)
 
     def inline(self, key: str, limit: int, write_s: float) -> StoredObject:
         """The object answered inline: its bytes, written nowhere (``uri`` empty).
@@ -199,7 +214,14 @@ class _Encoded:
         )
 
     def _object(
-        self, key: str, uri: str, size: int, sha256: str, write_s: float, data: bytes | None = None
+        self,
+        key: str,
+        uri: str,
+        size: int,
+        sha256: str,
+        write_s: float,
+        data: bytes | None = None,
+        transfer: TransferManifest | None = None,
     ) -> StoredObject:
         """The completion's record of this object, wherever its bytes went."""
         return StoredObject(
@@ -215,6 +237,7 @@ class _Encoded:
             copy_s=self.copy_s,
             write_s=write_s,
             data=data,
+            transfer=transfer,
         )
 
 
@@ -307,16 +330,30 @@ class WriterPool:
                 if inline_bytes is not None:
                     stored = encoded.inline(key, inline_bytes, time.perf_counter() - start)
                 else:
-                    # The expiry counts from publishing, when the object becomes readable.
-                    expiry = expires_at(ttl_s)
-                    ref = await self._storage.put(key, encoded.parts, expires_at=expiry)
-                    stored = encoded.stored(key, ref, time.perf_counter() - start)
+                    stored = await self._put(key, encoded, ttl_s, start)
             except Exception as exc:
                 failure = _failure(exc)
                 log.warning("hidden-state object %s not written: %s", key, failure.message)
             finally:
                 release()
         await self._complete(key, nbytes, stored=stored, failure=failure)
+
+    async def _put(
+        self, key: str, encoded: _Encoded, ttl_s: int | None, start: float
+    ) -> StoredObject:
+        """Publish ``encoded`` in the store's container; its record once durable."""
+        # The expiry counts from publishing, when the object becomes readable.
+        expiry = expires_at(ttl_s)
+        if self._storage.container != "packed":
+            ref = await self._storage.put(key, encoded.parts, expires_at=expiry)
+            return encoded.stored(key, ref, time.perf_counter() - start)
+        # hs-connectors' layout: the same tensors (views, not copies) at aligned offsets.
+        packed = pack(encoded.parts, key)
+        ref = await self._storage.put(key, packed.parts, expires_at=expiry)
+        manifest = packed.manifest
+        manifest["metadata"]["sha256"] = ref.sha256
+        transfer = TransferManifest.model_validate(manifest)
+        return encoded.stored(key, ref, time.perf_counter() - start, transfer)
 
     async def _complete(
         self,
@@ -359,6 +396,8 @@ def _failure(exc: Exception) -> WriteFailure:
         return WriteFailure(type=_type_of(exc), message=str(exc), reason=exc.reason)
     if isinstance(exc, InvalidPromptError):  # the request's own limit (inline size)
         return WriteFailure(type=_type_of(exc), message=str(exc))
+    if isinstance(exc, StoreFull):
+        return WriteFailure(type=_type_of(StorageFullError), message=str(exc))
     error = StorageWriteError if isinstance(exc, StorageError) else ExtractionError
     return WriteFailure(type=_type_of(error), message=f"{type(exc).__name__}: {exc}")
 

@@ -27,6 +27,7 @@ from service.storage.base import (
     Storage,
     StorageConfigError,
     StorageError,
+    StorageFullError,
     StorageObserver,
     StorageOp,
     StorageUnavailableError,
@@ -42,6 +43,7 @@ BackendFactory = Callable[["StorageSettings"], Storage]
 BACKENDS: dict[str, str] = {
     "file": "service.storage.local:LocalStorage",
     "s3": "service.storage.s3:S3Storage",
+    "mooncake": "service.storage.mooncake:MooncakeStorage",
 }
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "Storage",
     "StorageConfigError",
     "StorageError",
+    "StorageFullError",
     "StorageObserver",
     "StorageOp",
     "StorageUnavailableError",

@@ -50,6 +50,7 @@ from service.storage.errors import (
     NotFoundError,
     StorageConfigError,
     StorageError,
+    StorageFullError,
     StorageUnavailableError,
 )
 from service.storage.keys import is_key, validate_key, validate_key_prefix
@@ -70,9 +71,11 @@ __all__ = [
     "Storage",
     "StorageConfigError",
     "StorageError",
+    "StorageFullError",
     "StorageObserver",
     "StorageOp",
     "StorageUnavailableError",
+    "StoreUsage",
     "Swept",
     "ThreadedStorage",
     "check_listing",
@@ -119,6 +122,17 @@ class Swept:
 
     expired: int = 0
     orphan: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """The whole store's state, for a store that is not endless (Mooncake's memory):
+    bytes held, capacity, objects, and objects its own eviction removed so far."""
+
+    bytes: int
+    capacity_bytes: int
+    objects: int
+    evicted_objects: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +229,12 @@ class Storage(abc.ABC):
 
     #: Short backend name used in metrics labels and logs (``file``, ``s3``).
     scheme: str = ""
+    #: How the writer lays an object out for this store: ``safetensors`` (the object is
+    #: its safetensors file), or ``packed`` (hs-connectors' Mooncake layout,
+    #: ``service.packed``, which ``GET /objects`` turns back into safetensors).
+    container: str = "safetensors"
+    #: Whether ``put(..., expires_at=)`` works; the API refuses ``ttl_s`` otherwise.
+    expires: bool = True
 
     @abc.abstractmethod
     def uri(self, key: str) -> str:
@@ -304,6 +324,11 @@ class Storage(abc.ABC):
         """
         data = await self.get(key)
         return ObjectReader(len(data), _once(data))
+
+    def usage(self) -> StoreUsage | None:
+        """The whole store's bytes, capacity and evictions, where the store is bounded
+        and says so (Mooncake); None for disks and buckets. Called from any thread."""
+        return None
 
     def presigned_url(self, key: str) -> str | None:
         """A short-lived URL a client can GET the object from directly; None if the

@@ -14,6 +14,7 @@ __all__ = [
     "NotFoundError",
     "StorageConfigError",
     "StorageError",
+    "StorageFullError",
     "StorageUnavailableError",
 ]
 
@@ -51,6 +52,15 @@ class StorageUnavailableError(StorageError):
     """The store cannot be reached (network, 5xx after retries, disk gone)."""
 
     kind = "unavailable"
+
+
+class StorageFullError(StorageError):
+    """The store has no room for the object (an in-memory store at its capacity).
+
+    Nothing was written; the same put succeeds once something is deleted.
+    """
+
+    kind = "full"
 
 
 class StorageConfigError(StorageError):

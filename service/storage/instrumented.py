@@ -24,6 +24,7 @@ from service.storage.base import (
     StorageError,
     StorageObserver,
     StorageOp,
+    StoreUsage,
     Swept,
 )
 
@@ -34,6 +35,8 @@ class InstrumentedStorage(Storage):
     def __init__(self, inner: Storage, observer: StorageObserver) -> None:
         self.inner = inner
         self.scheme = inner.scheme
+        self.container = inner.container
+        self.expires = inner.expires
         self._observer = observer
         self._lock = threading.Lock()
         self._retries_seen = inner.retries
@@ -82,6 +85,9 @@ class InstrumentedStorage(Storage):
 
     def presigned_url(self, key: str) -> str | None:
         return self.inner.presigned_url(key)
+
+    def usage(self) -> StoreUsage | None:
+        return self.inner.usage()
 
     async def put(self, key: str, data: Data, *, expires_at: int | None = None) -> ObjectRef:
         async with self._observe("put") as counts:

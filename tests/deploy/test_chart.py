@@ -158,7 +158,12 @@ def test_helm_lint_and_template(example: Path) -> None:
     documents = [d for d in yaml.safe_load_all(out) if d]
     kinds = {d["kind"] for d in documents}
     assert {"Deployment", "Service", "PodDisruptionBudget"} <= kinds
-    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    deployment = next(
+        d
+        for d in documents
+        if d["kind"] == "Deployment"
+        and d["spec"]["template"]["spec"]["containers"][0]["name"] == "hsx"
+    )
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -224,3 +229,290 @@ def test_dataset_values_are_checked() -> None:
     values = merged(load(CHART / "values.yaml"), {"dataset": {"output": "/local/dir"}})
     with pytest.raises(jsonschema.ValidationError, match="does not match"):
         jsonschema.validate(values, schema())
+
+
+# -- Mooncake: a master beside hsx, or an existing one ------------------------------
+
+MOONCAKE_EXAMPLE = CHART / "examples" / "values-mooncake.yaml"
+NEEDS_HELM = pytest.mark.skipif(HELM is None, reason="no helm binary (PATH or .venv)")
+
+
+def helm_template(
+    tmp_path: Path, values: dict[str, Any], *files: Path, namespace: str = "default"
+) -> subprocess.CompletedProcess[str]:
+    """``helm template`` of the chart with ``files`` then ``values`` on top."""
+    assert HELM is not None
+    override = tmp_path / "values.yaml"
+    override.write_text(yaml.safe_dump(values))
+    command = [HELM, "template", "hsx", str(CHART), "--namespace", namespace]
+    command += [arg for f in (*files, override) for arg in ("-f", str(f))]
+    command += ["--kube-version", "1.30.0"]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+def rendered(tmp_path: Path, values: dict[str, Any], *files: Path, **kw: str) -> list[Any]:
+    result = helm_template(tmp_path, values, *files, **kw)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def named(documents: list[Any], kind: str) -> dict[str, Any]:
+    return {d["metadata"]["name"]: d for d in documents if d["kind"] == kind}
+
+
+def hsx_env(documents: list[Any]) -> dict[str, dict[str, Any]]:
+    container = named(documents, "Deployment")["hsx"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "hsx"
+    return {e["name"]: e for e in container["env"]}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+EXTERNAL = {
+    "model": {"name": "m"},
+    "storage": {"type": "mooncake"},
+    "mooncake": {"master": {"address": "mooncake-master.training.svc:50051"}},
+}
+
+
+@NEEDS_HELM
+def test_mooncake_master_beside_hsx(tmp_path: Path) -> None:
+    documents = rendered(tmp_path, {}, MOONCAKE_EXAMPLE, namespace="train")
+    deployments = named(documents, "Deployment")
+    services = named(documents, "Service")
+    assert set(deployments) == {"hsx", "hsx-mooncake-master"}
+    assert set(services) == {"hsx", "hsx-mooncake-master"}
+
+    # The master: one replica, never two at once, the flags and ports the values give.
+    master = deployments["hsx-mooncake-master"]["spec"]
+    assert master["replicas"] == 1
+    assert master["strategy"] == {"type": "Recreate"}
+    pod = master["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"] == ["mooncake_master"]
+    assert container["args"] == ["--rpc_port=50051", "--metrics_port=9003", "--rpc_thread_num=8"]
+    app_version = load(CHART / "Chart.yaml")["appVersion"]
+    assert container["image"] == f"ghcr.io/hsx/hsx:{app_version}"  # hsx's own image
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"rpc": 50051, "metrics": 9003}
+    assert container["readinessProbe"]["tcpSocket"]["port"] == "rpc"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["resources"]["limits"]["memory"] == "2Gi"
+
+    # Its Service selects the master and only it; hsx's Service never routes there.
+    service = services["hsx-mooncake-master"]["spec"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["ports"]} == {
+        "rpc": (50051, "rpc"),
+        "metrics": (9003, "metrics"),
+    }
+    master_labels = master["template"]["metadata"]["labels"]
+    hsx_labels = deployments["hsx"]["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["selector"], master_labels)
+    assert not selects(service["selector"], hsx_labels)
+    assert not selects(services["hsx"]["spec"]["selector"], master_labels)
+    pdb = next(d for d in documents if d["kind"] == "PodDisruptionBudget")
+    assert not selects(pdb["spec"]["selector"]["matchLabels"], master_labels)
+
+    # hsx writes to it, reachable at the pod's IP, with the example's sizes.
+    env = hsx_env(documents)
+    assert env["HSX_STORAGE__URL"]["value"] == "mooncake://hsx-mooncake-master.train.svc:50051"
+    assert (
+        env["HSX_STORAGE__MOONCAKE__METRICS_URL"]["value"]
+        == "http://hsx-mooncake-master.train.svc:9003/metrics"
+    )
+    assert env["HSX_STORAGE__MOONCAKE__LOCAL_HOSTNAME"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "status.podIP"}
+    }
+    assert env["HSX_STORAGE__MOONCAKE__SEGMENT_BYTES"]["value"] == "34359738368"
+    assert env["HSX_STORAGE__MOONCAKE__BUFFER_BYTES"]["value"] == "536870912"
+    assert env["HSX_STORAGE__MOONCAKE__REPLICAS"]["value"] == "1"
+    assert env["HSX_STORAGE__MOONCAKE__PROTOCOL"]["value"] == "tcp"
+    assert env["HSX_STORAGE__MOONCAKE__METADATA_SERVER"]["value"] == "P2PHANDSHAKE"
+    assert "HSX_STORAGE__MOONCAKE__DEVICE_NAME" not in env
+    assert not [name for name in env if name.startswith(("HSX_STORAGE__S3__", "AWS_"))]
+    assert not [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
+
+    # The master's metrics are scraped beside hsx's.
+    monitors = named(documents, "ServiceMonitor")
+    assert set(monitors) == {"hsx", "hsx-mooncake-master"}
+    monitor = monitors["hsx-mooncake-master"]["spec"]
+    assert monitor["endpoints"][0]["port"] == "metrics"
+    assert selects(
+        monitor["selector"]["matchLabels"], services["hsx-mooncake-master"]["metadata"]["labels"]
+    )
+    assert not selects(
+        monitors["hsx"]["spec"]["selector"]["matchLabels"],
+        services["hsx-mooncake-master"]["metadata"]["labels"],
+    )
+
+    # Trainers (networkPolicy.from) reach the API port and, for the store, every port.
+    peers = load(MOONCAKE_EXAMPLE)["networkPolicy"]["from"]
+    ingress = named(documents, "NetworkPolicy")["hsx"]["spec"]["ingress"]
+    assert ingress == [
+        {"ports": [{"port": "http", "protocol": "TCP"}], "from": peers},
+        {"from": peers},
+    ]
+
+
+@NEEDS_HELM
+def test_mooncake_existing_master(tmp_path: Path) -> None:
+    values = merged(
+        EXTERNAL,
+        {
+            "mooncake": {
+                "master": {"metricsUrl": "http://mooncake-master.training.svc:9003/metrics"},
+                "segmentBytes": 0,
+                "replicas": 2,
+                "protocol": "rdma",
+                "deviceName": "mlx5_0",
+            },
+        },
+    )
+    documents = rendered(tmp_path, values)
+    assert set(named(documents, "Deployment")) == {"hsx"}  # no master of its own
+    assert set(named(documents, "Service")) == {"hsx"}
+    env = hsx_env(documents)
+    assert env["HSX_STORAGE__URL"]["value"] == "mooncake://mooncake-master.training.svc:50051"
+    assert (
+        env["HSX_STORAGE__MOONCAKE__METRICS_URL"]["value"]
+        == "http://mooncake-master.training.svc:9003/metrics"
+    )
+    assert env["HSX_STORAGE__MOONCAKE__SEGMENT_BYTES"]["value"] == "0"
+    assert env["HSX_STORAGE__MOONCAKE__REPLICAS"]["value"] == "2"
+    assert env["HSX_STORAGE__MOONCAKE__PROTOCOL"]["value"] == "rdma"
+    assert env["HSX_STORAGE__MOONCAKE__DEVICE_NAME"]["value"] == "mlx5_0"
+    assert "fieldRef" in env["HSX_STORAGE__MOONCAKE__LOCAL_HOSTNAME"]["valueFrom"]
+
+    # No metrics URL given: none exported. Off (the default): no Mooncake at all.
+    env = hsx_env(rendered(tmp_path, EXTERNAL))
+    assert "HSX_STORAGE__MOONCAKE__METRICS_URL" not in env
+    plain = rendered(tmp_path, {}, EXAMPLES[0])
+    assert set(named(plain, "Deployment")) == {"hsx"}
+    assert not [name for name in hsx_env(plain) if "MOONCAKE" in name]
+
+
+@NEEDS_HELM
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"mooncake": {"master": {"enabled": True}}},
+            "mooncake.master.enabled and mooncake.master.address are both set",
+        ),
+        (
+            {"storage": {"type": "s3", "s3": {"bucket": "b"}}},
+            'mooncake.master is set but storage.type is "s3": set storage.type=mooncake',
+        ),
+        (
+            {"storage": {"type": "local"}},
+            'mooncake.master is set but storage.type is "local"',
+        ),
+        (
+            {"mooncake": {"master": {"address": ""}}},
+            "storage.type=mooncake needs mooncake.master.enabled=true or "
+            "mooncake.master.address=HOST:PORT",
+        ),
+        (
+            {"env": [{"name": "HSX_STORAGE__URL", "value": "s3://b/p"}]},
+            "env sets HSX_STORAGE__URL while storage.type=mooncake",
+        ),
+        (
+            {
+                "mooncake": {"segmentBytes": 34359738368},
+                "resources": {"limits": {"memory": "32Gi"}},
+            },
+            r"resources.limits.memory \(32Gi\) is less than mooncake.segmentBytes \+ 2 x "
+            r"mooncake.bufferBytes \(34896609280 bytes",
+        ),
+        (
+            {
+                "mooncake": {
+                    "master": {
+                        "enabled": True,
+                        "address": "",
+                        "metricsUrl": "http://x:9003/metrics",
+                    }
+                }
+            },
+            "mooncake.master.metricsUrl is for an existing master",
+        ),
+    ],
+)
+def test_mooncake_contradictions_are_refused(
+    tmp_path: Path, override: dict[str, Any], message: str
+) -> None:
+    result = helm_template(tmp_path, merged(EXTERNAL, override))
+    assert result.returncode != 0
+    assert re.search(message, result.stderr), result.stderr
+
+
+@NEEDS_HELM
+@pytest.mark.parametrize(
+    ("limit", "fits"),
+    [
+        ("32Gi", False),
+        ("33280Mi", True),  # exactly 32 GiB + 2 x 256 MiB
+        ("33279Mi", False),
+        ("34G", False),
+        ("35G", True),
+        (34896609280, True),
+        (34896609279, False),
+        ("1Ti", True),
+    ],
+)
+def test_mooncake_memory_limit_must_hold_segment_and_buffers(
+    tmp_path: Path, limit: str | int, fits: bool
+) -> None:
+    values = merged(
+        EXTERNAL,
+        {"mooncake": {"segmentBytes": 34359738368}, "resources": {"limits": {"memory": limit}}},
+    )
+    result = helm_template(tmp_path, values)
+    assert (result.returncode == 0) is fits, result.stderr
+    if not fits:
+        assert "is less than mooncake.segmentBytes + 2 x mooncake.bufferBytes" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"mooncake": {"segmentBytes": 1000}}, "is not valid under any of the given schemas"),
+        ({"mooncake": {"segmentBytes": 16777215}}, "is not valid under any of the given schemas"),
+        ({"mooncake": {"segmentBytes": -1}}, "is not valid under any of the given schemas"),
+        ({"mooncake": {"segmentBytes": "1Gi"}}, "is not of type 'integer'"),
+        ({"mooncake": {"bufferBytes": 1024}}, "less than the minimum"),
+        ({"mooncake": {"replicas": 0}}, "less than the minimum"),
+        ({"mooncake": {"replicas": 9}}, "greater than the maximum"),
+        ({"mooncake": {"protocol": "ib"}}, "is not one of"),
+        ({"mooncake": {"master": {"address": "mooncake://m:50051"}}}, "does not match"),
+        ({"mooncake": {"master": {"address": "m"}}}, "does not match"),
+        ({"mooncake": {"master": {"rpcPort": 0}}}, "less than the minimum"),
+        ({"mooncake": {"master": {"enabled": "yes"}}}, "is not of type 'boolean'"),
+        ({"mooncake": {"master": {"port": 50051}}}, "Additional properties are not allowed"),
+        ({"mooncake": {"segment_bytes": 0}}, "Additional properties are not allowed"),
+        ({"storage": {"type": "mooncake://m:50051"}}, "is not one of"),
+    ],
+)
+def test_mooncake_schema_refuses_bad_values(override: dict[str, Any], message: str) -> None:
+    values = merged(load(CHART / "values.yaml"), override)
+    with pytest.raises(jsonschema.ValidationError, match=message):
+        jsonschema.validate(values, schema())
+
+
+def test_mooncake_schema_accepts_the_smallest_segments() -> None:
+    for segment in (0, 16777216, 1 << 40):
+        values = merged(load(CHART / "values.yaml"), {"mooncake": {"segmentBytes": segment}})
+        jsonschema.validate(values, schema())
+    values = merged(load(CHART / "values.yaml"), EXTERNAL)
+    jsonschema.validate(values, schema())
+
+
+@NEEDS_HELM
+def test_helm_refuses_a_segment_below_mooncakes_smallest(tmp_path: Path) -> None:
+    result = helm_template(tmp_path, merged(EXTERNAL, {"mooncake": {"segmentBytes": 1000}}))
+    assert result.returncode != 0
+    assert "mooncake.segmentBytes" in result.stderr
+    assert "values don't meet the specifications of the schema" in result.stderr

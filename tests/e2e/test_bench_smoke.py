@@ -54,7 +54,15 @@ async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None)
 
 
 @pytest.mark.parametrize(
-    "name", ["api_bench", "codec_bench", "real_model_bench", "dataset_bench", "copy_bench"]
+    "name",
+    [
+        "api_bench",
+        "codec_bench",
+        "real_model_bench",
+        "dataset_bench",
+        "copy_bench",
+        "handoff_bench",
+    ],
 )
 async def test_quick_bench_gives_well_formed_rows(
     name: str, tmp_path: Path, aws_env: None, demo_model: Path

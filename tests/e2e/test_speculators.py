@@ -3,8 +3,10 @@
 ``prepare-data`` renders through hsx's ``/v1/chat/completions/render``,
 ``generate-offline-data`` extracts through ``/v1/completions`` and moves the files,
 and ``ArrowDataset`` reads the files or generates missing samples through hsx (local
-disk with speculators' ``FileTransfer``, S3 with hsx's ``HsxTransfer``). speculators'
-clients send no API key (``EMPTY``), so these servers run open, as the README says.
+disk with speculators' ``FileTransfer``, S3 with hsx's ``HsxTransfer``, Mooncake with
+hs-connectors' ``MooncakeTransfer``: the online loop with no file in between).
+speculators' clients send no API key (``EMPTY``), so these servers run open, as the
+README says. The Mooncake tests run a real ``mooncake_master`` on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -14,22 +16,25 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
+import httpx
 import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from service.client import HsxClient, HsxTransfer
+from service.client import HsxClient, HsxError, HsxTransfer
 from tests.api.conftest import ServerThread, as_extraction, objects_under
 from tests.api.openai_helpers import counter, served_name, vllm_render
 from tests.conftest import s3_settings
 from tests.engine.checks import assert_object_matches
 from tests.engine.conftest import engine_settings
 from tests.engine.reference import relative_error
+from tests.support.mooncake import mooncake_missing, running_master
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 SEQ_LEN = 256
@@ -331,3 +336,242 @@ def test_arrow_dataset_generates_through_hsx_on_s3(
     # Read through GET /objects (S3's presigned redirect), then deleted through the API.
     assert s3_admin.list_objects_v2(Bucket=BUCKET).get("KeyCount") == 0
     assert not (fresh / "hidden_states").exists()
+
+
+# -- Mooncake: the zero-disk feed -------------------------------------------------------
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real Mooncake master on 127.0.0.1 (its store is hsx's writer's memory)."""
+    reason = mooncake_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    with running_master(tmp_path_factory.mktemp("mooncake")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def mooncake_hsx(model_dir: Any, master: Any) -> Iterator[Any]:
+    """An open hsx on the same model as ``local_hsx``, storing in Mooncake: its writer
+    contributes the store's only memory, 16 MiB."""
+    storage = {
+        "mooncake": {
+            "segment_bytes": 16 * MIB,
+            "buffer_bytes": 8 * MIB,
+            "metrics_url": master.metrics_url,
+        }
+    }
+    thread = ServerThread(engine_settings(model_dir("llama"), master.url, storage=storage))
+    thread.url = thread.serve(keys=None)  # type: ignore[attr-defined]
+    yield thread
+    thread.close()
+
+
+def trainer_transfer(master: Any) -> Any:
+    """hs-connectors' reader as speculators' trainer builds it (no memory of its own)."""
+    from hs_connectors import MooncakeTransfer
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+
+    config = MooncakeStoreConfig(
+        local_hostname="127.0.0.1",
+        master_server_address=master.address,
+        global_segment_size=0,
+        local_buffer_size=16 * MIB,
+    )
+    transfer = MooncakeTransfer(MooncakeHiddenStatesStore(config))
+    transfer.setup()
+    return transfer
+
+
+def store_objects(master: Any) -> int:
+    """Objects the whole Mooncake store holds, from its master's metrics."""
+    text = httpx.get(master.metrics_url, timeout=5).text
+    return int(
+        next(line.split()[1] for line in text.splitlines() if line.startswith("master_key_count "))
+    )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (fp8 has no torch.equal on the CPU)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+PROMPT_IDS = [[5, 17, 99, 3, 250, 11, 42], list(range(3, 160))]
+
+
+def test_mooncake_objects_equal_local_disk_bit_for_bit(
+    mooncake_hsx: Any, local_hsx: Any, master: Any
+) -> None:
+    """``/extract`` and ``/v1/completions`` on Mooncake: read by hs-connectors'
+    ``MooncakeTransfer`` with the answered manifest, every tensor is the local-disk
+    object's, bit for bit (``raw`` and ``fp8``), and ``GET /objects`` answers the same
+    safetensors bytes as the file."""
+    from hs_connectors import FP8Transfer
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    transfer = trainer_transfer(master)
+    with HsxClient(mooncake_hsx.url) as moon, HsxClient(local_hsx.url) as disk:
+        for codec in ("raw", "fp8"):
+            for ids in PROMPT_IDS:  # one at a time: the same batches on both engines
+                stored = moon.extract([ids], codec=codec).objects[0]
+                local = disk.extract([ids], codec=codec).objects[0]
+                manifest = stored.transfer
+                assert manifest is not None
+                assert manifest["version"] == 1
+                assert manifest["handle"] == stored.key
+                assert manifest["metadata"]["total_aligned_bytes"] == stored.bytes
+                assert manifest["metadata"]["sha256"] == stored.sha256
+                got = transfer.get_generated(manifest)
+                path = Path(local.uri.removeprefix("file://"))
+                expected = load_file(path)
+                assert set(got) == set(expected)
+                for name, tensor in expected.items():
+                    assert same_bits(got[name], tensor), (codec, name)
+                assert moon.get_object(stored.key) == path.read_bytes()
+                if codec == "fp8":  # dequantized as hs-connectors' FP8Transfer does
+                    states = dequantize_fp8_tensor(
+                        got["hidden_states"], got["hidden_states_scales"], dtype=torch.bfloat16
+                    )
+                    fp8 = FP8Transfer(path.parent).get_generated({"hidden_states_path": str(path)})
+                    assert fp8 is not None
+                    assert torch.equal(states, fp8["hidden_states"])
+                transfer.delete(manifest["handle"])  # what speculators' trainer does
+                with pytest.raises(HsxError) as gone:
+                    moon.get_object(stored.key)
+                assert gone.value.status == 404
+                disk.delete(local.key)
+        # /v1/completions: kv_transfer_params are the manifest, as hs-connectors'
+        # Mooncake connector answers them (no hidden_states_path to delete by).
+        params = transfer_params_of(mooncake_hsx, PROMPT_IDS[1])
+        local_params = transfer_params_of(local_hsx, PROMPT_IDS[1])
+        assert "hidden_states_path" not in params
+        got = transfer.get_generated(params)
+        expected = load_file(local_params["hidden_states_path"])
+        assert all(same_bits(got[n], t) for n, t in expected.items())
+        transfer.delete(params["handle"])
+        disk.delete(local_params["handle"])
+    assert store_objects(master) == 0
+
+
+def files_under(root: Path) -> set[str]:
+    return {str(p) for p in root.rglob("*") if p.is_file()}
+
+
+def test_arrow_dataset_generates_through_hsx_on_mooncake(
+    generated: Path,
+    prepared: Path,
+    mooncake_hsx: Any,
+    master: Any,
+    work: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The online loop: speculators' ``ArrowDataset(on_missing="generate")`` asks hsx
+    for every sample and reads it from Mooncake with ``MooncakeTransfer``; no file is
+    written under any directory of this session, and the store is empty afterwards
+    (the trainer deletes each sample once read)."""
+    fresh = fresh_copy(prepared, work / "fresh-mooncake")
+    ds = arrow_dataset(
+        fresh,
+        vllm_endpoint=f"{mooncake_hsx.url}/v1",
+        on_missing="generate",
+        transfer=trainer_transfer(master),
+    )
+    before_files = files_under(tmp_path_factory.getbasetemp())
+    before = counter(mooncake_hsx.url, PROMPTS)
+    assert_samples_equal_files(ds, generated, prepared)
+    assert counter(mooncake_hsx.url, PROMPTS) - before == 6
+    assert files_under(tmp_path_factory.getbasetemp()) == before_files
+    assert not (fresh / "hidden_states").exists()
+    assert store_objects(master) == 0
+
+
+def labelled(url: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples on ``url``'s /metrics that carry ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def test_a_full_store_refuses_with_507_and_a_delete_makes_room(
+    mooncake_hsx: Any, master: Any
+) -> None:
+    """Filled by another writer, the store refuses hsx's write: a 507 ``storage_full``
+    naming the way out, nothing stored, the refusal counted; once the filler is
+    deleted the same request succeeds."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    filler = MooncakeDistributedStore()
+    assert filler.setup("127.0.0.1", "P2PHANDSHAKE", 0, 2 * MIB, "tcp", "", master.address) == 0
+    config = ReplicateConfig()
+    config.with_hard_pin = True
+    keys: list[str] = []
+    for size in (MIB, 64 * 1024, 4096):  # until not even 4 KiB fits
+        while filler.put(f"filler-{len(keys)}", bytes(size), config) == 0:
+            keys.append(f"filler-{len(keys)}")
+    objects = store_objects(master)
+    refused = labelled(mooncake_hsx.url, "hsx_storage_errors_total", operation="put", kind="full")
+    body = {"prompts": [{"token_ids": PROMPT_IDS[1]}]}  # ~80 KiB of states
+    try:
+        full = httpx.post(f"{mooncake_hsx.url}/extract", json=body, timeout=60)
+        assert full.status_code == 507, full.text
+        error = full.json()["error"]
+        assert error["type"] == "storage_full"
+        assert "full" in full.json()["objects"][0]["error"]["message"]
+        assert store_objects(master) == objects  # nothing half-written
+        assert (
+            labelled(mooncake_hsx.url, "hsx_storage_errors_total", operation="put", kind="full")
+            == refused + 1
+        )
+        assert labelled(mooncake_hsx.url, "hsx_storage_store_objects") == objects
+    finally:
+        for key in keys:
+            filler.remove(key, True)
+        filler.close()
+    again = httpx.post(f"{mooncake_hsx.url}/extract", json=body, timeout=60)
+    assert again.status_code == 200, again.text
+    with HsxClient(mooncake_hsx.url) as moon:
+        moon.delete(again.json()["objects"][0]["key"])
+
+
+def test_a_killed_master_makes_ready_503_and_hsx_serves_once_it_is_back(
+    mooncake_hsx: Any, master: Any
+) -> None:
+    """Last in the module: it kills the master (every object is gone with it)."""
+    body = {"prompts": [{"token_ids": PROMPT_IDS[0]}]}
+    master.kill()
+    ready = wait_for_status(f"{mooncake_hsx.url}/ready", 503)
+    assert ready.json() == {"status": "unavailable", "detail": "storage: unavailable"}
+    down = httpx.post(f"{mooncake_hsx.url}/extract", json=body, timeout=120)
+    assert down.status_code in (502, 503), down.text
+    assert down.json()["error"]["type"] in ("storage_error", "engine_unavailable")
+    master.restart()
+    wait_for_status(f"{mooncake_hsx.url}/ready", 200)
+    back = httpx.post(f"{mooncake_hsx.url}/extract", json=body, timeout=60)
+    assert back.status_code == 200, back.text
+    with HsxClient(mooncake_hsx.url) as moon:
+        tensors = moon.get(back.json()["objects"][0]["key"])
+    assert tensors["token_ids"].tolist() == PROMPT_IDS[0]
+
+
+def wait_for_status(url: str, status: int, timeout_s: float = 60) -> httpx.Response:
+    """The first answer of ``url`` with ``status`` (the readiness cache is 5 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.get(url, timeout=30)
+        if response.status_code == status or time.monotonic() > deadline:
+            assert response.status_code == status, response.text
+            return response
+        time.sleep(0.5)

@@ -82,7 +82,7 @@ def test_two_metric_sets_cannot_share_a_registry() -> None:
 
 
 def test_unknown_scheme_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"gs.*not supported.*file://, s3://"):
+    with pytest.raises(ValueError, match=r"gs.*not supported.*file://, mooncake://, s3://"):
         open_storage(StorageSettings(url="gs://bucket/x"))
 
 

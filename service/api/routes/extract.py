@@ -163,6 +163,7 @@ def _response(state: ApiState, objects: list[Extraction]) -> ExtractResponse:
                 codec=o.codec,
                 statistics=o.statistics,
                 data=None if o.data is None else base64.b64encode(o.data).decode(),
+                transfer=None if o.transfer is None else o.transfer.model_dump(),
             )
             for i, o in enumerate(objects)
         ],

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody
-from service.storage.base import InvalidKeyError
+from service.storage.base import InvalidKeyError, ObjectPage, Storage
 from service.storage.keys import namespace_of, namespace_root, validate_key, validate_key_prefix
 
 router = APIRouter()
@@ -35,6 +35,7 @@ MAX_ROUNDS = 8
 
 RESPONSES: dict[int | str, dict[str, Any]] = {
     422: {"model": ErrorBody, "description": "Bad prefix, cursor or limit"},
+    501: {"model": ErrorBody, "description": "This storage cannot list (mooncake://)"},
     502: {"model": ErrorBody, "description": "Storage failed"},
     503: {"model": ErrorBody, "description": "Storage unavailable"},
 }
@@ -69,7 +70,7 @@ async def list_objects(
     after = decode_cursor(cursor, scope)
     objects: list[ListedObject] = []
     for _ in range(MAX_ROUNDS):
-        page = await state.storage.list(scope, limit=limit - len(objects), after=after)
+        page = await page_of(state.storage, scope, limit - len(objects), after)
         objects += [
             ListedObject(key=o.key, size=o.size, created=o.created)
             for o in page.objects
@@ -79,6 +80,17 @@ async def list_objects(
         if after is None or len(objects) >= limit:
             break
     return ObjectListing(objects=objects, next_cursor=encode_cursor(after))
+
+
+async def page_of(storage: Storage, scope: str, limit: int, after: str | None) -> ObjectPage:
+    """One page of the storage's listing; a 501 naming the backend where the store
+    cannot list (Mooncake's master keeps no ordered key listing)."""
+    try:
+        return await storage.list(scope, limit=limit, after=after)
+    except NotImplementedError as exc:
+        raise ApiError(
+            501, "not_implemented", f"listing: {storage.scheme}:// storage cannot list ({exc})"
+        ) from None
 
 
 def checked_prefix(prefix: str | None, root: str) -> str:

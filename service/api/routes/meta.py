@@ -9,7 +9,8 @@ from typing import Any
 import prometheus_client
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
 
 import service
 from service.api.deps import StateDep
@@ -48,8 +49,13 @@ async def ready(state: StateDep) -> JSONResponse:
 )
 async def metrics(state: StateDep) -> Response:
     """Prometheus text: hsx's metrics and vLLM's (``vllm:*``, in the default registry)."""
-    text = generate_latest(prometheus_client.REGISTRY) + generate_latest(state.registry)
+    # Off the event loop: a bounded store's usage is read from its master on collect.
+    text = await run_in_threadpool(_render, state.registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def _render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(prometheus_client.REGISTRY) + generate_latest(registry)
 
 
 @private.get("/version", response_model=Version)

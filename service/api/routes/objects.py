@@ -4,6 +4,8 @@ the caller's namespace.
 A key outside the caller's namespace is a 404, exactly like a missing one, so nobody
 learns what other namespaces hold. Everything goes through the storage interface (its
 optional features have defaults), so every read is counted in ``hsx_storage_*``.
+An object of a store that keeps another layout (Mooncake's, ``service.packed``) is
+answered as the safetensors bytes it has on every other backend.
 ``?decode=true`` answers any object as a ``raw`` one (model-dtype states), whatever
 codec stored it; an object it cannot decode (a codec or version this server does not
 know, or bytes that are not a well-formed object of their codec: ``service.codecs``
@@ -35,10 +37,11 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
-from service.api.routes.listing import decode_cursor, encode_cursor
+from service.api.routes.listing import decode_cursor, encode_cursor, page_of
 from service.api.schemas import ErrorBody
 from service.api.state import ApiState
-from service.codecs import to_raw
+from service.codecs import CorruptObjectError, to_raw
+from service.packed import as_safetensors
 from service.storage import Storage
 from service.storage.base import InvalidKeyError, NotFoundError
 from service.storage.keys import MAX_KEY_BYTES, namespace_of, namespace_root, validate_key_prefix
@@ -78,6 +81,8 @@ async def get_object(
     if url is not None:
         await ensure_exists(storage, key)
         return RedirectResponse(url, status_code=307)
+    if storage.container != "safetensors":
+        return await unpacked(storage, key)
     try:
         reader = await storage.open_read(key)
     except NotFoundError:
@@ -109,6 +114,7 @@ class DeletedObjects(BaseModel):
     response_model=DeletedObjects,
     responses={
         422: {"model": ErrorBody, "description": "Bad prefix, cursor or limit"},
+        501: {"model": ErrorBody, "description": "This storage cannot list (mooncake://)"},
         502: {"model": ErrorBody, "description": "Storage failed"},
         503: {"model": ErrorBody, "description": "Storage unavailable"},
     },
@@ -136,7 +142,7 @@ async def delete_prefix(
     except InvalidKeyError as exc:
         raise ApiError(422, "invalid_request", f"prefix: {exc}", field="prefix") from None
     after = decode_cursor(cursor, scope)
-    page = await state.storage.list(scope, limit=limit, after=after)
+    page = await page_of(state.storage, scope, limit, after)
     keys = [o.key for o in page.objects if namespace_of(o.key, key_prefix) == namespace]
     await state.storage.delete_many(keys)
     return DeletedObjects(
@@ -155,6 +161,22 @@ async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> R
     return Response(status_code=204)
 
 
+async def unpacked(storage: Storage, key: str) -> Response:
+    """An object of a store that lays objects out otherwise (Mooncake's packed layout)
+    as the safetensors bytes it has on any other backend."""
+    try:
+        data = await storage.get(key)
+    except NotFoundError:
+        raise not_found(key) from None
+    try:
+        body = await run_in_threadpool(as_safetensors, data, storage.container)
+    except CorruptObjectError as exc:
+        raise ApiError(422, "invalid_request", f"key: {exc}", field="key") from None
+    filename = key.rsplit("/", 1)[-1]
+    headers = {"Content-Disposition": f'attachment; filename="{filename}"'}
+    return Response(body, media_type=SAFETENSORS, headers=headers)
+
+
 async def decoded(storage: Storage, key: str) -> Response:
     """The object as a ``raw`` one, read whole and decoded off the event loop."""
     try:
@@ -162,10 +184,14 @@ async def decoded(storage: Storage, key: str) -> Response:
     except NotFoundError:
         raise not_found(key) from None
     try:
-        raw = await run_in_threadpool(to_raw, data)
+        raw = await run_in_threadpool(_to_raw, data, storage.container)
     except ValueError as exc:  # an unknown codec or version, or CorruptObjectError
         raise ApiError(422, "invalid_request", f"decode: {exc}", field="decode") from None
     return Response(raw, media_type=SAFETENSORS)
+
+
+def _to_raw(data: bytes, container: str) -> bytes:
+    return to_raw(as_safetensors(data, container))
 
 
 def owned_storage(state: ApiState, key: str, namespace: str) -> Storage:
