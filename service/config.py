@@ -97,6 +97,18 @@ class ServerSettings(BaseModel):
         return value
 
 
+def split_tcp(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (HOST, PORT); ValueError otherwise (``*`` is not a host:
+    the writer must be told where to connect)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    if not address.startswith("tcp://") or not host or host == "*" or not port.isdigit():
+        raise ValueError(f"expected tcp://HOST:PORT (PORT 0: any free port), got {address!r}")
+    if int(port) > 65535:
+        raise ValueError(f"port {port} is out of range in {address!r}")
+    return host, int(port)
+
+
 class EngineSettings(BaseModel):
     """The vLLM engine that computes the hidden states."""
 
@@ -122,6 +134,29 @@ class EngineSettings(BaseModel):
         None, gt=0, description="Tokens per engine step; long prompts prefill in chunks."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica spans.")
+    completion_address: str = Field(
+        "",
+        description="Where the writing rank (tensor-parallel rank 0) tells the API that an "
+        "object is durable. Empty: a private ipc:// socket, for a writing rank on the API's "
+        "host. `tcp://HOST:PORT`: the API listens on PORT on every interface and the writer "
+        "connects to HOST, the API host's address as the writing rank's node reaches it "
+        "(PORT 0: a free port).",
+    )
+    completion_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long start-up waits for the writing rank to reach the API on the "
+        "completion channel before it stops with an error.",
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages one replica spans. hsx refuses anything above 1 at "
+        "start-up: vLLM 0.32's extract_hidden_states has no pipeline-parallel support (its "
+        "extraction model does not implement SupportsPP, and the aux hidden states are not "
+        "relayed between stages). Use tensor_parallel_size or more replicas instead.",
+    )
     gpu_memory_utilization: float | None = Field(
         None,
         gt=0,
@@ -145,6 +180,13 @@ class EngineSettings(BaseModel):
     extra_args: dict[str, Any] = Field(
         default_factory=dict, description="Other vLLM engine arguments, passed through."
     )
+
+    @field_validator("completion_address")
+    @classmethod
+    def _completion_address_is_tcp(cls, value: str) -> str:
+        if value:
+            split_tcp(value)  # ValueError naming the expected form
+        return value
 
     @field_validator("layer_ids")
     @classmethod

@@ -101,6 +101,7 @@ def _serve(settings: Settings) -> int:
     from service.metrics import ExtractorMetrics
     from service.storage import scheme_of
 
+    startup.check_parallelism(settings.engine)  # settings alone: before any I/O
     server_settings = settings.server
     secret = server_settings.api_keys
     inline = secret.get_secret_value() if secret is not None else None

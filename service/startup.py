@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import SettingsError
 
 if TYPE_CHECKING:
-    from service.config import Settings
+    from service.config import EngineSettings, Settings
     from service.engine.builder import ModelInfo
     from service.storage import Storage, StorageObserver
 
@@ -125,6 +125,46 @@ def from_validation(exc: ValidationError | SettingsError) -> StartupError:
 
 
 # -- checks before the engine starts --------------------------------------------------
+
+#: Why hsx refuses pipeline parallelism (docs/design.md says what supporting it takes;
+#: tests/engine/test_pp_canary.py notices when vLLM stops refusing it).
+PIPELINE_PROBLEM = (
+    "vLLM 0.32's extract_hidden_states has no pipeline-parallel support (its extraction "
+    "model does not implement SupportsPP; aux states are not relayed between stages)"
+)
+PIPELINE_FIX = "use tensor_parallel_size or data parallelism"
+
+
+def pipeline_parallel_refusal(engine: EngineSettings) -> StartupError | None:
+    """The error for settings that ask vLLM for more than one pipeline stage, or None.
+
+    Both ways count: ``engine.pipeline_parallel_size`` and a ``pipeline_parallel_size``
+    passed through ``engine.extra_args`` (which vLLM would otherwise refuse with a
+    misleading "not supported for this model"). ``hsx serve`` raises it before anything
+    starts (:func:`check_parallelism`); ``service.engine.builder`` as a ValueError.
+    """
+    size = engine.pipeline_parallel_size
+    if size > 1:
+        return StartupError(
+            "engine.pipeline_parallel_size",
+            f"pipeline_parallel_size {size} is refused: {PIPELINE_PROBLEM}",
+            f"set it to 1 and {PIPELINE_FIX}",
+        )
+    if "pipeline_parallel_size" in engine.extra_args:
+        given = engine.extra_args["pipeline_parallel_size"]
+        if str(given).strip() != "1":  # 1, or "1" from HSX_ENGINE__EXTRA_ARGS__..., is a no-op
+            return StartupError(
+                "engine.extra_args",
+                f"pipeline_parallel_size {given!r} is refused: {PIPELINE_PROBLEM}",
+                f"remove it and {PIPELINE_FIX}",
+            )
+    return None
+
+
+def check_parallelism(engine: EngineSettings) -> None:
+    """Refuse pipeline parallelism, however it was asked for (one line, exit 2)."""
+    if (refusal := pipeline_parallel_refusal(engine)) is not None:
+        raise refusal
 
 
 def check_api_keys(path: Path | None, inline: str | None) -> Any:
@@ -249,6 +289,7 @@ _VLLM_ARGS = {
     "max_model_len": "engine.max_model_len",
     "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "tensor_parallel_size": "engine.tensor_parallel_size",
+    "pipeline_parallel_size": "engine.pipeline_parallel_size",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory_bytes": "engine.cpu_kvcache_space_gib",
     "dtype": "engine.dtype",
@@ -262,6 +303,16 @@ def from_engine(exc: BaseException, log_text: str, on_cpu: bool) -> StartupError
     reason is in what they logged (``log_text``, this run's debug log).
     """
     cache = "engine.cpu_kvcache_space_gib" if on_cpu else "engine.gpu_memory_utilization"
+    from service.engine.errors import CompletionChannelError
+
+    if isinstance(exc, CompletionChannelError):
+        return StartupError(
+            "engine.completion_address",
+            str(exc),
+            "set it to tcp://HOST:PORT with HOST this host's address as the writing "
+            "rank's node reaches it, and open PORT to that node",
+            FAILED,
+        )
     if found := _KV_TOO_SMALL.search(log_text):
         length, needed, have, fits = found.groups()
         shorter = f" or {env_name('engine.max_model_len')}={fits} or less" if fits else ""

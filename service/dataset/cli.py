@@ -58,8 +58,21 @@ def add_parser(commands: Any) -> None:
     verify.set_defaults(func=_cmd_verify)
     export = sub.add_parser("export", help="write a run in a trainer's layout")
     export.add_argument("output", help="the run's --output")
-    export.add_argument("dest", help="a new directory for the exported dataset")
-    export.add_argument("--format", choices=["speculators"], default="speculators")
+    export.add_argument(
+        "dest", help="a new directory (speculators), or a new JSONL file (openai-batch)"
+    )
+    export.add_argument(
+        "--format",
+        choices=["speculators", "openai-batch"],
+        default="speculators",
+        help="speculators' training layout, or OpenAI Batch API output lines",
+    )
+    export.add_argument(
+        "--storage-url",
+        default=None,
+        help="openai-batch: the server's HSX_STORAGE__URL, so each line's uri is the "
+        "object's storage URI (default: ENDPOINT/objects/KEY)",
+    )
     export.add_argument(
         "--allow-partial",
         action="store_true",
@@ -161,7 +174,23 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     run.add_argument("--retries", type=int, default=8)
     run.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     run.add_argument("--max-consecutive-errors", type=int, default=10)
-    run.add_argument("--shard", default=None, help="I/N: the rows whose custom_id hashes to I")
+    run.add_argument(
+        "--shard",
+        default=None,
+        help="I/N: the rows whose custom_id hashes to I (default: from a Slurm array's "
+        "SLURM_ARRAY_TASK_ID or a Kubernetes Indexed Job's JOB_COMPLETION_INDEX)",
+    )
+    run.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="shard count (speculators' flag): with --rank I, the same as --shard I/N; "
+        "alone, the count of a JOB_COMPLETION_INDEX (or set WORLD_SIZE)",
+    )
+    run.add_argument(
+        "--rank", type=int, default=None, metavar="I", help="this shard (needs --world-size)"
+    )
     run.add_argument("--id-column", default="custom_id")
     run.add_argument("--force", action="store_true", help="continue a run of other settings")
     run.add_argument("--no-progress", action="store_true")
@@ -174,10 +203,13 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
 
 
 def options_of(args: argparse.Namespace) -> Any:
-    """RunOptions from ``hsx dataset run`` arguments."""
-    from service.dataset.options import RunOptions, parse_shard
+    """RunOptions from ``hsx dataset run`` arguments; the shard from the flags, else from
+    the launcher's environment (said on stderr when there is one)."""
+    from service.dataset.launch import resolve_shard
+    from service.dataset.options import RunOptions
 
-    return RunOptions(
+    choice = resolve_shard(args.shard, args.world_size, args.rank, os.environ)
+    options = RunOptions(
         input=args.input,
         endpoints=args.endpoint,
         output=args.output,
@@ -194,12 +226,16 @@ def options_of(args: argparse.Namespace) -> Any:
         retries=args.retries,
         request_timeout=args.request_timeout,
         max_consecutive_errors=args.max_consecutive_errors,
-        shard=parse_shard(args.shard) if args.shard else None,
+        shard=choice.shard,
         id_column=args.id_column,
         force=args.force,
         progress=not args.no_progress,
         s3_endpoint_url=args.s3_endpoint_url,
     )
+    chosen = choice.describe()  # once the options hold (a shard out of range is refused)
+    if chosen is not None:
+        print(f"hsx dataset: {chosen}", file=sys.stderr, flush=True)
+    return options
 
 
 def _guarded(work: Any) -> int:
@@ -268,8 +304,21 @@ def _cmd_verify(settings: Any, args: argparse.Namespace) -> int:
 
 def _cmd_export(settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
-        from service.dataset.export import export_speculators_async
+        from service.dataset.export import export_openai_batch_async, export_speculators_async
 
+        if args.format == "openai-batch":
+            lines = asyncio.run(
+                export_openai_batch_async(
+                    args.output,
+                    args.dest,
+                    args.endpoint,
+                    s3=_s3(settings, args),
+                    allow_partial=args.allow_partial,
+                    storage_url=args.storage_url,
+                )
+            )
+            print(f"exported {lines} Batch API output lines to {args.dest}")
+            return 0
         key = args.api_key or os.environ.get("HSX_API_KEY")
         count = asyncio.run(
             export_speculators_async(

@@ -8,7 +8,9 @@ is malformed. Conversations come as OpenAI ``messages`` or ShareGPT ``conversati
 (``from``/``value``), mapped as speculators' ``prepare-data`` maps them: ``human`` ->
 ``user``, ``gpt`` -> ``assistant``, unknown speakers -> ``assistant``. Text that cannot be
 sent as UTF-8 (a lone surrogate such as ``"\\ud800"``, valid JSON and common in scraped
-dumps) makes its row malformed here, before any request is built.
+dumps) makes its row malformed here, before any request is built. OpenAI Batch API
+lines (``custom_id``, ``method``, ``url``, ``body``) become the same rows
+(``service.dataset.batch_api``), checked against the run's request options.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from service.dataset.batch_api import RunRequest, batch_prompt, is_batch_line
 
 #: Columns that hold a prompt, in the order they are looked for.
 PROMPT_COLUMNS = ("messages", "conversations", "token_ids", "text")
@@ -64,12 +68,20 @@ def shard_of(custom_id: str, shards: int) -> int:
 # ---------------------------------------------------------------- normalisation
 
 
-def normalise(index: int, raw: Any, id_column: str = "custom_id") -> Row:
-    """The row at ``index`` as a prompt, or a malformed row with its reason."""
+def normalise(
+    index: int, raw: Any, id_column: str = "custom_id", run: RunRequest | None = None
+) -> Row:
+    """The row at ``index`` as a prompt, or a malformed row with its reason.
+
+    A Batch API line is read as its route reads its body; ``run``: the options the
+    run's requests carry, which the line's body must agree with (default: RunOptions').
+    """
     if not isinstance(raw, dict):
         return Row(
             index, content_id(raw), error=f"malformed: a row must be an object, not {_kind(raw)}"
         )
+    if is_batch_line(raw):
+        return _batch_row(index, raw, run or RunRequest())
     custom_id = raw.get(id_column)
     if custom_id is None:
         custom_id = content_id(raw)
@@ -83,6 +95,30 @@ def normalise(index: int, raw: Any, id_column: str = "custom_id") -> Row:
         prompt = _prompt(raw)
     except ValueError as exc:
         return Row(index, custom_id, error=f"malformed: {exc}")
+    return Row(index, custom_id, prompt=prompt)
+
+
+def _batch_row(index: int, raw: dict[str, Any], run: RunRequest) -> Row:
+    """A Batch API line: its ``custom_id`` (required there) and its body's prompt."""
+    custom_id = raw.get("custom_id")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID:
+        reason = f"Batch API line without a custom_id of 1-{MAX_CUSTOM_ID} characters"
+        return Row(index, content_id(raw), error=f"malformed: row {index}: {reason}")
+    where = f"row {index} (custom_id {custom_id!r})"
+    problem = not_utf8(custom_id)
+    if problem is not None:
+        return Row(index, content_id(raw), error=f"malformed: {where}: custom_id {problem}")
+    try:
+        prompt = batch_prompt(raw, run)
+        texts = {"body.prompt": prompt.get("text", "")}
+        for number, message in enumerate(prompt.get("messages", [])):
+            texts[f"body.messages[{number}].content"] = message["content"]
+        for name, text in texts.items():
+            problem = not_utf8(text)
+            if problem is not None:
+                raise ValueError(f"{name} {problem}")
+    except ValueError as exc:
+        return Row(index, custom_id, error=f"malformed: {where}: {exc}")
     return Row(index, custom_id, prompt=prompt)
 
 
@@ -168,6 +204,10 @@ class Source:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.format = detect_format(path)
+        #: What the run's requests carry besides the prompt, which Batch API lines must
+        #: agree with (set by the run once it knows its served model; None: RunOptions'
+        #: defaults, and the model unchecked).
+        self.expect: RunRequest | None = None
 
     def rows(self) -> Iterator[Any]:
         """The raw rows (dicts; a JSONL line that is not JSON yields ``_Unparsable``)."""
@@ -223,10 +263,12 @@ def open_source(path: str | Path, id_column: str = "custom_id") -> Source:
     if isinstance(peeked[0], Unparsable):
         raise InputError(f"{path}: the first line is not JSON ({peeked[0].reason})")
     columns = {key for raw in peeked if isinstance(raw, dict) for key in raw}
-    if not columns & set(PROMPT_COLUMNS):
+    batch = any(isinstance(raw, dict) and is_batch_line(raw) for raw in peeked)
+    if not columns & set(PROMPT_COLUMNS) and not batch:
         raise InputError(
             f"{path}: no prompt column; found {sorted(columns)[:20]}, "
-            f"expected one of {', '.join(PROMPT_COLUMNS)}"
+            f"expected one of {', '.join(PROMPT_COLUMNS)}, or OpenAI Batch API lines "
+            "(custom_id, method, url, body)"
         )
     return source
 
@@ -327,4 +369,4 @@ def iter_rows(source: Source, id_column: str = "custom_id") -> Iterator[Row]:
         if isinstance(raw, Unparsable):
             yield Row(index, content_id(raw.line), error=f"malformed: {raw.reason}")
         else:
-            yield normalise(index, raw, id_column)
+            yield normalise(index, raw, id_column, source.expect)

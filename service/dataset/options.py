@@ -11,6 +11,7 @@ from service.masks import LossMode
 
 if TYPE_CHECKING:  # httpx loads with the run, not with the options
     from service.client import ExtractOptions
+    from service.dataset.batch_api import RunRequest
 
 
 class RunOptions(BaseModel):
@@ -84,6 +85,21 @@ class RunOptions(BaseModel):
             layers=self.layers,
         )
 
+    def run_request(self, model: str | None = None) -> RunRequest:
+        """What every request of the run carries besides its prompt, which an OpenAI
+        Batch API line's body must agree with (``model``: the served one, once known)."""
+        from service.dataset.batch_api import RunRequest
+
+        return RunRequest(
+            max_tokens=self.max_tokens,
+            include_output_tokens=self.include_output_tokens,
+            loss=self.loss,
+            codec=self.codec,
+            layers=tuple(self.layers) if self.layers is not None else None,
+            metadata=dict(self.metadata),
+            model=model,
+        )
+
     def shard_name(self) -> str | None:
         """The shard's directory under the output (``shard-00001-of-00004``)."""
         if self.shard is None:
@@ -92,8 +108,8 @@ class RunOptions(BaseModel):
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """``I/N`` as a pair; ValueError otherwise."""
-    index, sep, count = text.partition("/")
-    if not sep:
-        raise ValueError(f"--shard {text!r}: expected I/N, e.g. 0/4")
-    return int(index), int(count)
+    """``I/N`` as a pair; ValueError otherwise (``service.dataset.launch`` resolves
+    ``--shard``, ``--world-size``/``--rank`` and the launcher's environment)."""
+    from service.dataset.launch import parse_shard as parse
+
+    return parse(text)

@@ -58,6 +58,8 @@ async def run_dataset_async(options: RunOptions) -> Summary:
                 flush=True,
             )
         fingerprint = make_fingerprint(options, info)
+        # OpenAI Batch API lines must agree with the run's options and served model.
+        source.expect = options.run_request(model=fingerprint.model)
         name = options.shard_name()
         store = root.child(name) if name else root
         await check_fingerprint(store, fingerprint, options.force)

@@ -11,6 +11,7 @@ from service.config import EngineSettings, Settings
 from service.engine.provenance import Provenance, build_provenance
 from service.engine.wire import ConnectorConfig
 from service.metrics import ExtractorMetrics
+from service.startup import pipeline_parallel_refusal
 from service.storage import Storage, open_storage, scheme_of
 
 CONNECTOR_CLASS = "HsxConnector"
@@ -73,10 +74,12 @@ class Prepared:
 def prepare(settings: Settings, storage_factory: str | None = None) -> Prepared:
     """Read the model's config, resolve the layer ids and open the storage, unchecked
     (``hsx serve`` checks each step first, ``service.startup``; tests and benchmarks
-    start engines with this). Raises ValueError for no model or bad layer ids."""
+    start engines with this). Raises ValueError for no model, bad layer ids or pipeline
+    parallelism (before the storage opens)."""
     model = settings.engine.model
     if model is None:
         raise ValueError("engine.model is not set")
+    check_pipeline_parallel(settings.engine)
     info = read_model_info(model)
     layer_ids = resolve_layer_ids(settings.engine.layer_ids, info.num_layers)
     provenance = build_provenance(model, info.revision)
@@ -112,6 +115,21 @@ def resolve_layer_ids(requested: list[int] | None, num_layers: int) -> list[int]
     return list(requested)
 
 
+def check_pipeline_parallel(engine: EngineSettings) -> None:
+    """Refuse more than one pipeline stage, from the setting or ``extra_args``, with the
+    words of ``hsx serve``'s start-up check (``service.startup``): ValueError."""
+    if (refusal := pipeline_parallel_refusal(engine)) is not None:
+        raise ValueError(f"{refusal.setting}: {refusal.problem}; {refusal.fix}")
+
+
+def pipeline_args(engine: EngineSettings) -> dict[str, Any]:
+    """``pipeline_parallel_size`` for vLLM only when it is not 1, which
+    ``check_pipeline_parallel`` refuses today: the engine args keep vLLM's default until
+    hsx supports pipeline parallelism (docs/design.md)."""
+    size = engine.pipeline_parallel_size
+    return {} if size == 1 else {"pipeline_parallel_size": size}
+
+
 def engine_args(
     settings: Settings,
     info: ModelInfo,
@@ -120,11 +138,13 @@ def engine_args(
     storage_factory: str | None = None,
     provenance: Provenance | None = None,
 ) -> Any:
-    """``AsyncEngineArgs`` running ``extract_hidden_states`` with our connector."""
+    """``AsyncEngineArgs`` running ``extract_hidden_states`` with our connector.
+    Raises ValueError for pipeline parallelism (``check_pipeline_parallel``)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     engine = settings.engine
+    check_pipeline_parallel(engine)  # no path reaches vLLM with more than one stage
     on_cpu = _on_cpu()
     if on_cpu and engine.dtype in ("bfloat16", "float16"):
         # Spawned CPU workers died with SIGILL in bf16 (docs/cpu.md); fork works.
@@ -162,6 +182,7 @@ def engine_args(
         ),
         **{
             "worker_extension_cls": WORKER_EXTENSION,
+            **pipeline_args(engine),
             **memory_args(engine, on_cpu),
             **engine.extra_args,
         },

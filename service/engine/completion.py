@@ -9,6 +9,12 @@ the API process binds the PULL end before the engine starts and resolves one fut
 object key. Keys are unique and made by the server, so they are the correlation id.
 Messages are :class:`service.engine.wire.Completion` (JSON, validated on receipt); they
 also carry the worker's storage calls for ``/metrics`` (why there: ``service.metrics``).
+
+The socket is ``ipc://`` by default (the writing rank on the API's host: TP within a
+node), or ``tcp://`` (``engine.completion_address``) where the writing rank can run on
+another node. Either way the writer's first message is a ``WriterHello``, and start-up
+waits for it: a writer that cannot reach the API stops the server with one line
+instead of leaving every request to hang until its deadline.
 """
 
 from __future__ import annotations
@@ -16,13 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from pydantic import TypeAdapter
 
-from service.engine.wire import Completion
+from service.config import split_tcp
+from service.engine.wire import ChannelMessage, Completion, WriterHello
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +40,7 @@ __all__ = ["Completion", "CompletionReceiver", "CompletionSender"]
 
 #: How long closing waits for one more completion before it takes the queue as empty.
 DRAIN_WAIT_MS = 100
+_MESSAGES: TypeAdapter[ChannelMessage] = TypeAdapter(ChannelMessage)
 
 
 class CompletionSender:
@@ -44,6 +55,11 @@ class CompletionSender:
     def send(self, completion: Completion) -> None:
         """Queue one message (ZeroMQ sends it on its own I/O thread)."""
         self._socket.send(completion.encode())
+
+    def hello(self) -> None:
+        """Tell the API this writer reaches it (sent once, before any completion)."""
+        hello = WriterHello(writer_pid=os.getpid(), host=socket.gethostname())
+        self._socket.send(hello.model_dump_json().encode())
 
     def close(self) -> None:
         """Close, flushing queued messages for up to the linger time."""
@@ -61,11 +77,22 @@ class CompletionReceiver:
     """
 
     def __init__(self, address: str) -> None:
-        self.address = address
+        """Listen on ``address``: ``ipc://PATH``, or ``tcp://HOST:PORT`` (bound on every
+        interface; ``address`` then names the port the writer connects to, a free one
+        for PORT 0)."""
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address)
+        if address.startswith("tcp://"):
+            host, port = split_tcp(address)
+            self._socket.bind(f"tcp://*:{port}" if port else "tcp://*:*")
+            bound = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            address = f"tcp://{host}:{bound.rsplit(':', 1)[1]}"
+        else:
+            self._socket.bind(address)
+        self.address = address
+        #: Set once the writing rank's hello has arrived (``WriterHello``).
+        self.writer_ready = asyncio.Event()
         self._waiting: dict[str, asyncio.Future[Completion]] = {}
         self._abandoned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -116,10 +143,15 @@ class CompletionReceiver:
 
     def _handle(self, raw: bytes) -> None:
         try:
-            completion = Completion.decode(raw)
+            message = _MESSAGES.validate_json(raw)
         except ValueError as exc:  # pydantic's ValidationError is one
             log.error("dropping a malformed completion message: %s", exc)
             return
+        if isinstance(message, WriterHello):
+            log.info("hsx: writer pid %d on %s reached the API", message.writer_pid, message.host)
+            self.writer_ready.set()
+            return
+        completion = message
         if self.on_message is not None:
             try:
                 self.on_message(completion)

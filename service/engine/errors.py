@@ -71,6 +71,11 @@ class IdempotencyConflictError(ExtractionError):
     status = 409
 
 
+class CompletionChannelError(RuntimeError):
+    """Start-up: the writing rank's messages do not reach the API (``engine.
+    completion_address``); the engine was stopped. Not a per-prompt failure."""
+
+
 #: Every per-prompt failure, most severe first (a request takes its worst prompt's).
 FAILURES: tuple[type[ExtractionError], ...] = (
     EngineUnavailableError,

@@ -7,6 +7,7 @@ carry server-made ids and keys; nothing from a client reaches ``kv_transfer_para
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import tempfile
@@ -21,6 +22,7 @@ from service.engine.builder import ModelInfo, Prepared, engine_args, prepare, se
 from service.engine.completion import CompletionReceiver
 from service.engine.errors import (
     ERROR_TYPES,
+    CompletionChannelError,
     EngineUnavailableError,
     ExtractionError,
     InvalidPromptError,
@@ -121,7 +123,10 @@ class Extractor:
         log.info("hsx: provenance %s", provenance.fields())
         metrics.name_model(served_model_name(info.name))
         scratch = tempfile.TemporaryDirectory(prefix="hsx-")
-        receiver = CompletionReceiver(f"ipc://{Path(scratch.name) / 'completions.sock'}")
+        address = settings.engine.completion_address or (
+            f"ipc://{Path(scratch.name) / 'completions.sock'}"
+        )
+        receiver = CompletionReceiver(address)
         receiver.on_message = metrics.record
         receiver.start()
         args = engine_args(settings, info, layer_ids, receiver.address, storage_factory, provenance)
@@ -148,7 +153,22 @@ class Extractor:
         except ValueError as exc:
             await extractor.close()
             raise ValueError(f"storage.codec: {exc}") from None
+        await extractor._writer_reaches_us(settings.engine.completion_timeout_s)
         return extractor
+
+    async def _writer_reaches_us(self, timeout_s: float) -> None:
+        """Wait for the writing rank's hello on the completion channel; close and raise
+        CompletionChannelError if it does not come (a writer on another node that
+        cannot reach ``engine.completion_address``)."""
+        try:
+            await asyncio.wait_for(self._receiver.writer_ready.wait(), timeout_s)
+        except TimeoutError:
+            address = self._receiver.address
+            await self.close()
+            raise CompletionChannelError(
+                f"the writing rank (tensor-parallel rank 0) sent nothing to {address} in "
+                f"{timeout_s:g} s"
+            ) from None
 
     def check_codec(self, codec: str | None) -> codecs.Codec:
         """The codec a request gets (``storage.codec`` when None); ValueError naming the

@@ -296,6 +296,18 @@ class Completion(_Message):
         return cls.model_validate_json(raw)
 
 
+class WriterHello(_Message):
+    """Worker -> API, once, when the writing rank's writer starts: proof that the
+    completion channel reaches the API (start-up waits for it)."""
+
+    writer_pid: int
+    host: str
+
+
+#: What the completion channel carries.
+ChannelMessage = Completion | WriterHello
+
+
 class Extraction(StoredObject):
     """One prompt's durable object and the engine's view of the prompt."""
 

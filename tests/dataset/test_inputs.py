@@ -180,3 +180,16 @@ def _write(path: Path, text: str) -> Path:
 def _mkdir(path: Path) -> Path:
     path.mkdir()
     return path
+
+
+def test_batch_api_lines_read_alike_from_every_format(tmp_path: Path) -> None:
+    # Columnar formats give every body every field (nulls): a null is the field's default.
+    rows = [
+        {"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": CHAT[:2], "max_tokens": 1, **({"seed": i} if i else {})}}
+        for i in range(3)
+    ]  # fmt: skip
+    for kind, path in write_all(tmp_path, rows).items():
+        got = list(iter_rows(open_source(path)))
+        assert [r.custom_id for r in got] == ["b0", "b1", "b2"], kind
+        assert all(r.prompt == {"messages": CHAT[:2]} for r in got), (kind, got[0].error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -141,6 +142,13 @@ def test_chart_metadata() -> None:
     assert (CHART / "templates" / "NOTES.txt").is_file()
 
 
+def api_pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    """The pod template running ``hsx serve`` in a Deployment or a LeaderWorkerSet."""
+    if workload["kind"] == "LeaderWorkerSet":
+        return dict(workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"])
+    return dict(workload["spec"]["template"])
+
+
 # `make install` puts one in the venv when npm is available.
 HELM = shutil.which("helm") or next(
     (str(p) for p in [ROOT / ".venv" / "bin" / "helm"] if p.is_file()), None
@@ -157,17 +165,19 @@ def test_helm_lint_and_template(example: Path) -> None:
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     documents = [d for d in yaml.safe_load_all(out) if d]
     kinds = {d["kind"] for d in documents}
-    assert {"Deployment", "Service", "PodDisruptionBudget"} <= kinds
-    deployment = next(
-        d
+    values = merged(load(CHART / "values.yaml"), load(example))
+    # The API's pods: the Deployment's, or across nodes each LeaderWorkerSet group's leader.
+    workload = "LeaderWorkerSet" if values["multiNode"]["enabled"] else "Deployment"
+    assert {workload, "Service", "PodDisruptionBudget"} <= kinds
+    pod = next(
+        template["spec"]
         for d in documents
-        if d["kind"] == "Deployment"
-        and d["spec"]["template"]["spec"]["containers"][0]["name"] == "hsx"
+        if d["kind"] == workload
+        for template in [api_pod_template(d)]
+        if template["spec"]["containers"][0]["name"] == "hsx"
     )
-    pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    values = merged(load(CHART / "values.yaml"), load(example))
     assert env["HSX_ENGINE__TENSOR_PARALLEL_SIZE"] == str(values["engine"]["tensorParallelSize"])
     gpus = values["gpu"]["count"]
     resources = container["resources"]
@@ -516,3 +526,339 @@ def test_helm_refuses_a_segment_below_mooncakes_smallest(tmp_path: Path) -> None
     assert result.returncode != 0
     assert "mooncake.segmentBytes" in result.stderr
     assert "values don't meet the specifications of the schema" in result.stderr
+
+
+# -- Across nodes: a LeaderWorkerSet, the leader serving, headless vLLM workers --------
+
+MULTINODE_EXAMPLE = CHART / "examples" / "values-multinode.yaml"
+MULTINODE = {
+    "model": {"name": "org/model"},
+    "engine": {"tensorParallelSize": 4, "layerIds": [2, 3]},
+    "gpu": {"count": 2},
+    "multiNode": {"enabled": True, "size": 2},
+    "storage": {"type": "local"},
+}
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value after ``name`` in an argument list (which has it once)."""
+    assert args.count(name) == 1, (name, args)
+    return args[args.index(name) + 1]
+
+
+def multinode_parts(
+    documents: list[Any],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The LeaderWorkerSet's spec, and the leader's and the worker's pod templates and
+    containers: (spec, leader template, worker template, worker container)."""
+    sets = [d for d in documents if d["kind"] == "LeaderWorkerSet"]
+    assert len(sets) == 1
+    assert sets[0]["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    spec = sets[0]["spec"]
+    leader = spec["leaderWorkerTemplate"]["leaderTemplate"]
+    worker = spec["leaderWorkerTemplate"]["workerTemplate"]
+    assert len(worker["spec"]["containers"]) == 1
+    return spec, leader, worker, worker["spec"]["containers"][0]
+
+
+@NEEDS_HELM
+def test_multinode_renders_one_leaderworkerset(tmp_path: Path) -> None:
+    documents = rendered(tmp_path, {}, MULTINODE_EXAMPLE, namespace="llm")
+    example = merged(load(CHART / "values.yaml"), load(MULTINODE_EXAMPLE))
+    model, size, gpus = example["model"]["name"], 2, 8
+    assert (example["multiNode"]["size"], example["gpu"]["count"]) == (size, gpus)
+
+    # One LeaderWorkerSet in place of the Deployment, nothing that scales pods one by one.
+    assert named(documents, "Deployment") == {}
+    kinds = [d["kind"] for d in documents]
+    assert kinds.count("LeaderWorkerSet") == 1
+    assert not {"HorizontalPodAutoscaler", "ScaledObject"} & set(kinds)
+    spec, leader, worker, container = multinode_parts(documents)
+    assert spec["replicas"] == example["replicaCount"]
+    assert spec["leaderWorkerTemplate"]["size"] == size
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert spec["startupPolicy"] == "LeaderCreated"
+
+    # The leader: hsx serve, vLLM's node 0 of `size`, its own address as the master.
+    hsx = leader["spec"]["containers"][0]
+    assert (hsx["name"], hsx["args"]) == ("hsx", ["serve"])
+    assert "command" not in hsx
+    env = {e["name"]: e for e in hsx["env"]}
+    assert env["HSX_ENGINE__TENSOR_PARALLEL_SIZE"]["value"] == str(size * gpus)
+    assert json.loads(env["HSX_ENGINE__EXTRA_ARGS"]["value"]) == {
+        "nnodes": size,
+        "node_rank": 0,
+        "master_addr": "$(LWS_LEADER_ADDRESS)",
+        "master_port": 29501,
+    }
+    assert env["VLLM_HOST_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert hsx["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert hsx["resources"]["limits"]["nvidia.com/gpu"] == gpus
+
+    # The workers: vLLM headless, node LWS_WORKER_INDEX (1 and up), same layout.
+    args = container["args"]
+    assert container["command"] == ["vllm"]
+    assert args[:3] == ["serve", model, "--headless"]
+    assert flag(args, "--nnodes") == str(size)
+    assert flag(args, "--node-rank") == "$(LWS_WORKER_INDEX)"
+    assert flag(args, "--master-addr") == "$(LWS_LEADER_ADDRESS)"
+    assert flag(args, "--master-port") == "29501"
+    assert flag(args, "--tensor-parallel-size") == str(size * gpus)
+    assert flag(args, "--dtype") == "bfloat16"
+    assert flag(args, "--max-model-len") == "32768"
+    assert flag(args, "--gpu-memory-utilization") == "0.9"
+    # The engine hsx builds: its extraction, its connector (only on the leader's rank 0
+    # does it write), its worker extension.
+    speculative = json.loads(flag(args, "--speculative-config"))
+    assert speculative["method"] == "extract_hidden_states"
+    layer_ids = speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert layer_ids == json.loads(env["HSX_ENGINE__LAYER_IDS"]["value"]) == [2, 63, 123, 126]
+    transfer = json.loads(flag(args, "--kv-transfer-config"))
+    assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == (
+        "HsxConnector",
+        "service.engine.connector",
+    )
+    assert flag(args, "--worker-extension-cls") == "service.engine.introspect.HsxWorkerExtension"
+    assert not {"--node-rank", "--headless"} & set(hsx["args"])
+    assert not {"ports", "readinessProbe", "startupProbe"} & set(container)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    worker_env = {e["name"] for e in container["env"]}
+    assert {"VLLM_HOST_IP", "HF_TOKEN"} <= worker_env
+    assert not [name for name in worker_env if name.startswith(("HSX_", "AWS_"))]
+    assert {m["name"] for m in container["volumeMounts"]} == {"shm", "tmp", "models"}
+    assert worker["spec"]["nodeSelector"] == leader["spec"]["nodeSelector"]
+
+    # The Service (and the ServiceMonitor through it) reaches the leaders only.
+    selector = named(documents, "Service")["hsx"]["spec"]["selector"]
+    assert selects(selector, leader["metadata"]["labels"])
+    assert not selects(selector, worker["metadata"]["labels"])
+
+
+@NEEDS_HELM
+def test_multinode_extra_args_network_and_cache(tmp_path: Path) -> None:
+    extra = {
+        "enforce_eager": True,
+        "enable_chunked_prefill": False,
+        "max_num_seqs": 64,
+        "compilation_config": {"cudagraph_capture_sizes": [1, 2]},
+        "kv_cache_dtype": "fp8",
+    }
+    values = merged(
+        MULTINODE,
+        {
+            "engine": {"extraArgs": extra, "maxModelLen": 1000000, "enablePrefixCaching": "false"},
+            "multiNode": {"size": 4, "masterPort": 30000},
+            "gpu": {"count": 1},
+            "model": {"cache": {"type": "pvc"}},
+            "networkPolicy": {"enabled": True},
+            "replicaCount": 3,
+        },
+    )
+    documents = rendered(tmp_path, values)
+    spec, leader, _, container = multinode_parts(documents)
+    assert (spec["replicas"], spec["leaderWorkerTemplate"]["size"]) == (3, 4)
+    env = {e["name"]: e.get("value") for e in leader["spec"]["containers"][0]["env"]}
+    assert json.loads(env["HSX_ENGINE__EXTRA_ARGS"]) == {
+        **extra,
+        "nnodes": 4,
+        "node_rank": 0,
+        "master_addr": "$(LWS_LEADER_ADDRESS)",
+        "master_port": 30000,
+    }
+    # The workers get the same engine arguments, mapped as vLLM's --config maps them.
+    args = container["args"]
+    assert (flag(args, "--nnodes"), flag(args, "--master-port")) == ("4", "30000")
+    assert flag(args, "--max-model-len") == "1000000"
+    assert "--enable-prefix-caching" not in args
+    assert {"--no-enable-prefix-caching", "--enforce-eager", "--no-enable-chunked-prefill"} <= set(
+        args
+    )
+    assert flag(args, "--max-num-seqs") == "64"
+    assert json.loads(flag(args, "--compilation-config")) == extra["compilation_config"]
+    assert flag(args, "--kv-cache-dtype") == "fp8"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+    # The group's pods reach each other on every port; peers reach only the API's.
+    ingress = named(documents, "NetworkPolicy")["hsx"]["spec"]["ingress"]
+    own = {"app.kubernetes.io/name": "hsx", "app.kubernetes.io/instance": "hsx"}
+    assert ingress[0]["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert ingress[-1] == {"from": [{"podSelector": {"matchLabels": own}}]}
+    # One model cache that every node mounts.
+    claims = named(documents, "PersistentVolumeClaim")
+    assert claims["hsx-models"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    # Off (the default): the Deployment's claim, its Service selector, no LWS.
+    plain = rendered(tmp_path, merged(values, {"multiNode": {"enabled": False}}))
+    assert named(plain, "PersistentVolumeClaim")["hsx-models"]["spec"]["accessModes"] == [
+        "ReadWriteOnce"
+    ]
+    assert "app.kubernetes.io/component" not in named(plain, "Service")["hsx"]["spec"]["selector"]
+    assert not [d for d in plain if d["kind"] == "LeaderWorkerSet"]
+    assert set(named(plain, "Deployment")) == {"hsx"}
+
+
+@NEEDS_HELM
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"autoscaling": {"enabled": True}}, "multiNode.enabled with autoscaling"),
+        ({"autoscaling": {"keda": {"enabled": True}}}, "multiNode.enabled with autoscaling"),
+        (
+            {"multiNode": {"size": 1}, "engine": {"tensorParallelSize": 2}},
+            "multiNode.size is 1: a replica across nodes needs at least 2 pods",
+        ),
+        (
+            {"engine": {"tensorParallelSize": 2}},
+            r"engine.tensorParallelSize \(2\) must be multiNode.size x gpu.count "
+            r"\(2 x 2 = 4\)",
+        ),
+        ({"engine": {"layerIds": []}}, "multiNode needs engine.layerIds"),
+        (
+            {"engine": {"extraArgs": {"node_rank": 1}}},
+            "engine.extraArgs sets node_rank while multiNode.enabled",
+        ),
+        (
+            {"engine": {"extraArgs": {"master_addr": "10.0.0.1"}}},
+            "engine.extraArgs sets master_addr while multiNode.enabled",
+        ),
+    ],
+)
+def test_multinode_contradictions_are_refused(
+    tmp_path: Path, override: dict[str, Any], message: str
+) -> None:
+    result = helm_template(tmp_path, merged(MULTINODE, override))
+    assert result.returncode != 0
+    assert re.search(message, result.stderr), result.stderr
+    assert helm_template(tmp_path, MULTINODE).returncode == 0  # the base renders
+
+
+@NEEDS_HELM
+@pytest.mark.slow
+def test_multinode_workers_configure_vllm_as_hsx_serve_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's command line, parsed by vLLM 0.32's own `vllm serve` parser, gives
+    the engine arguments hsx serve builds on the leader from the leader's environment."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from service.config import Settings
+    from service.engine.builder import ModelInfo, engine_args
+    from service.engine.wire import ConnectorConfig
+
+    values = {"engine": {"extraArgs": {"enforce_eager": True, "max_num_seqs": 64}}}
+    documents = rendered(tmp_path, values, MULTINODE_EXAMPLE)
+    _, leader, _, container = multinode_parts(documents)
+    address = "hsx-0.hsx.default"  # what LWS puts in LWS_LEADER_ADDRESS
+
+    # The leader: hsx's settings from its environment, then the engine arguments.
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)  # set on CPU
+    for name in [n for n in os.environ if n.startswith("HSX_")]:
+        monkeypatch.delenv(name)
+    for item in leader["spec"]["containers"][0]["env"]:
+        if item["name"].startswith("HSX_") and "value" in item:
+            monkeypatch.setenv(
+                item["name"], item["value"].replace("$(LWS_LEADER_ADDRESS)", address)
+            )
+    settings = Settings()
+    info = ModelInfo(name="meta-llama/Llama-3.1-405B-Instruct", num_layers=126,
+                     hidden_size=16384, hybrid=False)  # fmt: skip
+    ours = engine_args(settings, info, [2, 63, 123, 126], "ipc:///tmp/hsx-test.sock")
+
+    # A worker: its arguments as the kubelet expands them, through vLLM's CLI.
+    args = [
+        a.replace("$(LWS_WORKER_INDEX)", "1").replace("$(LWS_LEADER_ADDRESS)", address)
+        for a in container["args"]
+    ]
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    namespace = parser.parse_args(args)
+    assert namespace.headless is True
+    namespace.model = namespace.model_tag  # as `vllm serve` does with its positional model
+    theirs = AsyncEngineArgs.from_cli_args(namespace)
+
+    same = [
+        "model", "dtype", "tensor_parallel_size", "max_model_len", "max_num_batched_tokens",
+        "gpu_memory_utilization", "enable_prefix_caching", "speculative_config",
+        "worker_extension_cls", "nnodes", "master_addr", "master_port", "enforce_eager",
+        "max_num_seqs", "pipeline_parallel_size", "data_parallel_size",
+    ]  # fmt: skip
+    assert {k: getattr(theirs, k) for k in same} == {k: getattr(ours, k) for k in same}
+    assert (ours.node_rank, theirs.node_rank) == (0, 1)
+    assert ours.master_addr == address
+    ours_kv, theirs_kv = ours.kv_transfer_config, theirs.kv_transfer_config
+    for field in ("kv_connector", "kv_connector_module_path", "kv_role"):
+        assert getattr(theirs_kv, field) == getattr(ours_kv, field)
+    # The workers' connector settings load as the connector loads them.
+    ConnectorConfig.from_extra_config(theirs_kv.kv_connector_extra_config)
+
+
+# -- KV capacity: the examples hold their longest sequence --------------------------
+
+#: What the rule needs of each example's model (its config.json) and GPUs.
+MODELS = {
+    "meta-llama/Llama-3.3-70B-Instruct": {
+        "parameters": 70_553_706_496,
+        "layers": 80,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "hidden": 8192,
+    },
+    "meta-llama/Llama-3.1-405B-Instruct": {
+        "parameters": 405_853_388_800,
+        "layers": 126,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "hidden": 16384,
+    },
+}
+GPU_BYTES = {"NVIDIA-H100-80GB-HBM3": 80e9}  # by GPU feature discovery's product label
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: What vLLM keeps out of the KV pool per rank (activation peak, CUDA graphs, NCCL).
+RESERVED_BYTES = 4e9
+DEFAULT_EXTRACTED_LAYERS = 4  # [2, L//2, L-3, L]
+
+
+def kv_capacity(values: dict[str, Any]) -> dict[str, float]:
+    """The README's KV capacity rule, per tensor-parallel rank, for chart values."""
+    engine = values["engine"]
+    model = MODELS[values["model"]["name"]]
+    tp = engine["tensorParallelSize"]
+    dtype = DTYPE_BYTES[engine["dtype"]]
+    gpu = GPU_BYTES[values["nodeSelector"]["nvidia.com/gpu.product"]]
+    attention = 2 * model["layers"] * max(1, model["kv_heads"] // tp) * model["head_dim"] * dtype
+    extracted = len(engine["layerIds"]) or DEFAULT_EXTRACTED_LAYERS
+    states = extracted * model["hidden"] * dtype  # not sharded: on every rank
+    weights = model["parameters"] * dtype / tp
+    memory = gpu * engine["gpuMemoryUtilization"] - weights - RESERVED_BYTES
+    tokens = max(memory, 0) / (attention + states)
+    return {"attention": attention, "states": states, "weights": weights,
+            "memory": memory, "tokens": tokens}  # fmt: skip
+
+
+SIZED_EXAMPLES = [CHART / "examples" / f"values-{n}.yaml" for n in ("tp4", "multinode")]
+
+
+@pytest.mark.parametrize("example", SIZED_EXAMPLES, ids=lambda p: p.name)
+def test_tp_examples_hold_their_max_context(example: Path) -> None:
+    values = merged(load(CHART / "values.yaml"), load(example))
+    engine = values["engine"]
+    assert engine["tensorParallelSize"] == values["gpu"]["count"] * (
+        values["multiNode"]["size"] if values["multiNode"]["enabled"] else 1
+    )
+    capacity = kv_capacity(values)
+    assert capacity["tokens"] >= engine["maxModelLen"], capacity
+
+
+def test_kv_rule_numbers() -> None:
+    """The README's table: two 80 GB GPUs cannot hold a 70B model's 16k sequence."""
+    tp4 = merged(load(CHART / "values.yaml"), load(SIZED_EXAMPLES[0]))
+    two = merged(tp4, {"engine": {"tensorParallelSize": 2}, "gpu": {"count": 2}})
+    assert (kv_capacity(two)["attention"], kv_capacity(two)["states"]) == (163_840, 65_536)
+    assert kv_capacity(two)["tokens"] == 0  # 72 - 70.55 - 4 GB < 0
+    assert kv_capacity(tp4)["attention"] + kv_capacity(tp4)["states"] == 147_456
+    assert int(kv_capacity(tp4)["tokens"]) == 221_918
+    multinode = merged(load(CHART / "values.yaml"), load(MULTINODE_EXAMPLE))
+    assert kv_capacity(multinode)["attention"] == 64_512  # 8 KV heads over 16: 1 a rank
+    assert kv_capacity(multinode)["states"] == 131_072  # replicated, the larger part
+    assert int(kv_capacity(multinode)["tokens"]) == 88_291

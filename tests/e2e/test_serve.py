@@ -120,10 +120,19 @@ def test_dead_engine_makes_health_and_extract_503(tmp_path: Path, model_dir: Any
 def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_dir: Any) -> None:
     # SIGKILL, as an OOM kill or a drain past its grace period would: no handler runs,
     # so only the engine's own watch on its parent can end the EngineCore and worker.
+    # The server runs its completion channel on TCP (a free port), as it would with the
+    # writing rank on another node: an extraction first shows that channel works.
     import psutil
 
-    with hsx_serve(tmp_path, tiny_model(model_dir)) as served:
+    env = {**tiny_model(model_dir), "HSX_ENGINE__COMPLETION_ADDRESS": "tcp://127.0.0.1:0"}
+    with hsx_serve(tmp_path, env) as served:
         proc = served.proc
+        answer = httpx.post(
+            f"{served.url}/extract", json={"prompts": [{"token_ids": [5, 6, 7]}]}, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["objects"][0]["num_tokens"] == 3
+        assert "reached the API" in served.output()
         engine = psutil.Process(proc.pid).children(recursive=True)
         assert any("EngineCore" in " ".join(child.cmdline()) for child in engine)
         proc.kill()

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,36 @@ def test_layer_ids_the_model_lacks(tmp_path: Path, model_dir: Any) -> None:
     env = {"HSX_ENGINE__MODEL": str(model_dir("llama")), "HSX_ENGINE__LAYER_IDS": "[2, 9]"}
     line = assert_one_line(hsx_serve(tmp_path, env), 2, "engine.layer_ids", "[9]")
     assert "ids 0..4 are allowed" in line
+
+
+@pytest.mark.parametrize(
+    ("env", "setting"),
+    [
+        ({"HSX_ENGINE__PIPELINE_PARALLEL_SIZE": "2"}, "engine.pipeline_parallel_size"),
+        ({"HSX_ENGINE__EXTRA_ARGS": '{"pipeline_parallel_size": 2}'}, "engine.extra_args"),
+    ],
+    ids=["setting", "extra_args"],
+)
+def test_pipeline_parallel_is_refused_before_the_engine(
+    tmp_path: Path, model_dir: Any, env: dict[str, str], setting: str
+) -> None:
+    # vLLM would start, then refuse with a misleading "not supported for this model":
+    # hsx says why (extract_hidden_states has no PP) in seconds, before any engine.
+    model = str(model_dir("llama"))
+    started = time.monotonic()
+    run = hsx_serve(tmp_path, {"HSX_ENGINE__MODEL": model, **env})
+    elapsed = time.monotonic() - started
+    variable = setting.upper().replace(".", "__")
+    assert_one_line(
+        run,
+        2,
+        f"hsx: error: {setting} (HSX_{variable}): pipeline_parallel_size 2 is refused",
+        "extract_hidden_states has no pipeline-parallel support",
+        "SupportsPP",
+        "use tensor_parallel_size or data parallelism",
+    )
+    assert elapsed < 10, f"{elapsed:.1f} s: did an engine start?"  # it takes 0.5 s here
+    assert "EngineCore" not in run.stderr + run.debug_log  # no engine process ever ran
 
 
 #: pip pointed at an index that cannot be reached, with no retries (the machine's own
@@ -335,3 +366,32 @@ def test_an_unforeseen_engine_error_still_names_what_it_can() -> None:
     assert error.setting == "engine.max_num_batched_tokens"
     assert "ValidationError: max_num_batched_tokens (8) is smaller than x" in error.line
     assert "\n" not in error.line
+
+
+def test_a_writer_that_cannot_reach_the_api_stops_start_up(tmp_path: Path, model_dir: Any) -> None:
+    # The completion channel on TCP with an address the writing rank cannot reach
+    # (TEST-NET-1, never routed): without the start-up check every request would hang
+    # until its deadline; with it the server stops with one line once the wait is over.
+    env = {
+        "HSX_ENGINE__MODEL": str(model_dir("llama")),
+        "HSX_ENGINE__DTYPE": "float32",
+        "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
+        "HSX_ENGINE__COMPLETION_ADDRESS": "tcp://192.0.2.1:0",
+        "HSX_ENGINE__COMPLETION_TIMEOUT_S": "3",
+    }
+    run = hsx_serve(tmp_path, env, timeout=300)
+    line = assert_one_line(
+        run, 1, "engine.completion_address (HSX_ENGINE__COMPLETION_ADDRESS)", "tcp://192.0.2.1:"
+    )
+    assert "sent nothing" in line
+    assert "open PORT" in line
+
+
+@pytest.mark.parametrize(
+    "address", ["ipc:///tmp/x", "tcp://*:5555", "tcp://host", "tcp://host:99999", "host:5"]
+)
+def test_a_completion_address_that_is_not_tcp_host_port_is_refused(
+    tmp_path: Path, address: str
+) -> None:
+    run = hsx_serve(tmp_path, {"HSX_ENGINE__COMPLETION_ADDRESS": address})
+    assert_one_line(run, 2, "engine.completion_address (HSX_ENGINE__COMPLETION_ADDRESS)", "tcp://")

@@ -77,9 +77,11 @@ class HsxConnectorWorker:
 
         fix_mmap_threshold()  # freed objects leave RSS at once: see allocator.py
         config = self._config
+        sender = CompletionSender(config.completion_address)
+        sender.hello()  # start-up waits for it: proof that completions reach the API
         self._writer = WriterPool(
             config.storage,
-            CompletionSender(config.completion_address),
+            sender,
             max_bytes_in_flight=config.max_bytes_in_flight,
             # storage.io_threads also bounds the storage's own I/O threads: one setting
             # for both, since each write holds one of them.

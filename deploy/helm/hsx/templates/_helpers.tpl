@@ -29,6 +29,16 @@ app.kubernetes.io/part-of: hsx
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The workers of a multiNode replica: the API's selector labels, their own component. */}}
+{{- define "hsx.workerLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "hsx.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: vllm-worker
+app.kubernetes.io/part-of: hsx
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
 {{- define "hsx.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "hsx.fullname" .) .Values.serviceAccount.name }}
@@ -99,8 +109,23 @@ so the URIs hsx hands out resolve from trainers in other namespaces too. */}}
 {{- end }}
 {{- end }}
 
+{{/* HSX_ENGINE__EXTRA_ARGS (JSON; empty: none): engine.extraArgs, and with multiNode
+vLLM's node-0 arguments. master_addr is the leader's own address, which LWS puts in
+LWS_LEADER_ADDRESS (Kubernetes expands $(VAR) in env values). */}}
+{{- define "hsx.engineExtraArgs" -}}
+{{- $args := deepCopy .Values.engine.extraArgs }}
+{{- if .Values.multiNode.enabled }}
+{{- $_ := set $args "nnodes" (int .Values.multiNode.size) }}
+{{- $_ = set $args "node_rank" 0 }}
+{{- $_ = set $args "master_addr" "$(LWS_LEADER_ADDRESS)" }}
+{{- $_ = set $args "master_port" (int .Values.multiNode.masterPort) }}
+{{- end }}
+{{- with $args }}{{ toJson . }}{{ end }}
+{{- end }}
+
 {{/* Values that contradict each other: refused before anything renders. */}}
 {{- define "hsx.validate" -}}
+{{- include "hsx.validateMultiNode" . }}
 {{- $mc := .Values.mooncake }}
 {{- if and $mc.master.enabled $mc.master.address }}
 {{- fail "mooncake.master.enabled and mooncake.master.address are both set: run a master in this release or point at an existing one, not both" }}
@@ -125,6 +150,33 @@ so the URIs hsx hands out resolve from trainers in other namespaces too. */}}
 {{- $needed := addf (float64 $mc.segmentBytes) (mulf 2 (float64 $mc.bufferBytes)) }}
 {{- if and $limit (lt (float64 $limit) $needed) }}
 {{- fail (printf "resources.limits.memory (%v) is less than mooncake.segmentBytes + 2 x mooncake.bufferBytes (%.0f bytes, held in the pod's memory besides what vLLM needs): raise the limit or shrink the segment" .Values.resources.limits.memory $needed) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* multiNode: one vLLM engine over several pods, so nothing that scales pods one at a
+time, and a layout vLLM accepts: tensor parallel over size x gpu.count GPUs, node 0 (TP
+rank 0, which writes the states) on the leader. */}}
+{{- define "hsx.validateMultiNode" -}}
+{{- $mn := .Values.multiNode }}
+{{- if $mn.enabled }}
+{{- if or .Values.autoscaling.enabled .Values.autoscaling.keda.enabled }}
+{{- fail "multiNode.enabled with autoscaling: a replica is a LeaderWorkerSet group of multiNode.size pods, which neither the HPA nor KEDA's ScaledObject scales; turn autoscaling off and set replicaCount" }}
+{{- end }}
+{{- if lt (int $mn.size) 2 }}
+{{- fail (printf "multiNode.size is %d: a replica across nodes needs at least 2 pods (the leader and a worker); for one node, turn multiNode off" (int $mn.size)) }}
+{{- end }}
+{{- $gpus := mul (int $mn.size) (int .Values.gpu.count) }}
+{{- if ne (int .Values.engine.tensorParallelSize) (int $gpus) }}
+{{- fail (printf "multiNode: engine.tensorParallelSize (%d) must be multiNode.size x gpu.count (%d x %d = %d): vLLM splits the tensor-parallel ranks evenly over the nodes, gpu.count per pod" (int .Values.engine.tensorParallelSize) (int $mn.size) (int .Values.gpu.count) (int $gpus)) }}
+{{- end }}
+{{- if not .Values.engine.layerIds }}
+{{- fail "multiNode needs engine.layerIds: the workers' vLLM is configured by the chart, which cannot read the model's layer count (hsx's default is [2, L//2, L-3, L])" }}
+{{- end }}
+{{- range $key := list "nnodes" "node_rank" "master_addr" "master_port" "headless" }}
+{{- if hasKey $.Values.engine.extraArgs $key }}
+{{- fail (printf "engine.extraArgs sets %s while multiNode.enabled: the chart sets vLLM's multi-node arguments; remove it" $key) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
