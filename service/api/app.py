@@ -27,6 +27,7 @@ from service.api.schemas import ErrorBody
 from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
 from service.engine.builder import Prepared, served_model_name
+from service.engine.introspect import capacity_of
 from service.metrics import ExtractorMetrics, StoreCollector
 from service.storage import scheme_of
 from service.storage.local import root_from_url
@@ -204,6 +205,15 @@ async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
         edge.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]
     except Exception:  # a user-supplied worker extension replaces ours: no layout
         log.warning("hsx: KV-cache layout unavailable", exc_info=True)
+    else:
+        capacity = capacity_of(edge.engine_metrics.layout)
+        log.info(
+            "hsx: KV cache per rank: %d tokens, %d MiB, of which the hidden-state layer "
+            "(not sharded by tensor parallelism) %d MiB",
+            capacity["tokens"],
+            capacity["memory_bytes"] >> 20,
+            capacity["hidden_state_memory_bytes"] >> 20,
+        )
     pool = ThreadPoolExecutor(settings.limits.tokenizer_threads, thread_name_prefix="hsx-tokenize")
     return ApiState(
         settings=settings,

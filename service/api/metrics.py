@@ -205,9 +205,12 @@ class EngineCollector(Collector):
             "model_weights_bytes": "Model weights of the worker.",
         }
         for field, text in fields.items():
-            family = GaugeMetricFamily(f"hsx_memory_{field}", text, labels=["device"])
+            family = GaugeMetricFamily(
+                f"hsx_memory_{field}", text, labels=["device", "engine", "rank"]
+            )
             for worker in self.memory:
-                family.add_metric([worker["device"]], worker[field])
+                place = [str(worker.get("engine", 0)), str(worker.get("rank", 0))]
+                family.add_metric([worker["device"], *place], worker[field])
             yield family
 
 

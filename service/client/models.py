@@ -191,6 +191,12 @@ class ModelCard(_Body):
         "SHA-256, the layer-id convention...): the same strings every object's "
         "__metadata__ carries under hsx.provenance.*.",
     )
+    kv_cache: dict[str, int] | None = Field(
+        None,
+        description="KV capacity of one rank, the hidden-state layer included: `tokens` "
+        "(as vLLM counts them), `memory_bytes`, `hidden_state_memory_bytes` (not sharded "
+        "by tensor parallelism) and `bytes_per_token`.",
+    )
 
 
 class ModelList(_Body):

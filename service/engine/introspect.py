@@ -68,6 +68,24 @@ def layout_of(kv_cache_config: Any, allocated_bytes: int) -> dict[str, Any]:
     }
 
 
+def capacity_of(layout: dict[str, Any]) -> dict[str, int]:
+    """The KV capacity of one rank from its layout (``layout_of``): ``tokens`` as vLLM
+    counts them (blocks shared out evenly between the groups, times the smallest block
+    size), the bytes allocated, and the hidden-state layer's share of them. The
+    hidden-state layer is not sharded by tensor parallelism: every rank holds the full
+    residual stream of the extracted layers (docs/design.md, "KV capacity")."""
+    groups = layout["groups"]
+    per_group = layout["num_blocks"] // max(len(groups), 1)
+    block = min((int(g["block_size"]) for g in groups), default=0)
+    tokens = per_group * block
+    return {
+        "tokens": tokens,
+        "memory_bytes": int(layout["memory_bytes"]),
+        "hidden_state_memory_bytes": int(layout["hidden_state_memory_bytes"]),
+        "bytes_per_token": int(layout["memory_bytes"]) // tokens if tokens else 0,
+    }
+
+
 def _member_specs(group: Any) -> list[Any]:
     """One spec per layer of the group (a uniform-type group carries them per layer)."""
     per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)
@@ -103,8 +121,15 @@ class HsxWorkerExtension:
         }
 
     def hsx_memory(self) -> dict[str, Any]:
-        """Device memory, KV cache and weights of this worker, in bytes."""
-        return memory_of(self.model_runner)
+        """Device memory, KV cache and weights of this worker, in bytes, with its place:
+        ``rank`` (in its engine's world: TP x PP) and ``engine`` (its data-parallel rank),
+        so that no two workers' series are alike (every CPU worker's device is ``cpu``)."""
+        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        return {
+            **memory_of(self.model_runner),
+            "rank": int(getattr(self, "rank", 0) or 0),
+            "engine": int(getattr(parallel, "data_parallel_rank", 0) or 0),
+        }
 
 
 def memory_of(runner: Any) -> dict[str, Any]:

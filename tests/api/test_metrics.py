@@ -106,6 +106,7 @@ def test_every_recorded_outcome_is_pre_registered(local_url: str) -> None:
     }
     failures = [
         errors.EngineUnavailableError("x"),
+        errors.StorageFullError("x"),
         errors.StorageWriteError("x"),
         errors.InvalidStatesError("x", "non_finite"),
         errors.ExtractionError("x"),
@@ -175,12 +176,22 @@ def assert_layout_matches(url: str, engine: ServerThread) -> None:
     # Memory: what the worker allocated, seen the same way by both families.
     allocated = value(samples, "hsx_kv_cache_memory_bytes")
     assert allocated > 0
-    assert value(samples, "hsx_memory_kv_cache_bytes", device="cpu") == allocated
-    assert value(samples, "hsx_memory_model_weights_bytes", device="cpu") > 0
-    total = value(samples, "hsx_memory_total_bytes", device="cpu")
-    assert total == value(samples, "hsx_memory_used_bytes", device="cpu") + value(
-        samples, "hsx_memory_free_bytes", device="cpu"
+    assert (
+        value(samples, "hsx_memory_kv_cache_bytes", device="cpu", engine="0", rank="0") == allocated
     )
+    assert value(samples, "hsx_memory_model_weights_bytes", device="cpu", engine="0", rank="0") > 0
+    # /v1/models states the same capacity, as vLLM counts tokens.
+    card = httpx.get(f"{url}/v1/models", headers=AUTH_A, timeout=30).json()["data"][0]
+    smallest = min(block_size for block_size, _, _ in want["per_group"])
+    assert card["kv_cache"]["tokens"] == want["blocks"] // want["groups"] * smallest
+    assert card["kv_cache"]["memory_bytes"] == allocated
+    assert card["kv_cache"]["hidden_state_memory_bytes"] == value(
+        samples, "hsx_kv_cache_hidden_state_memory_bytes"
+    )
+    total = value(samples, "hsx_memory_total_bytes", device="cpu", engine="0", rank="0")
+    assert total == value(
+        samples, "hsx_memory_used_bytes", device="cpu", engine="0", rank="0"
+    ) + value(samples, "hsx_memory_free_bytes", device="cpu", engine="0", rank="0")
     return None
 
 
@@ -236,6 +247,8 @@ ALLOWED_LABELS = {
     "reason",
     "group",
     "device",
+    "engine",  # data-parallel rank of a worker
+    "rank",  # a worker's rank in its engine (TP x PP)
     "block_size",
     "layers",
     "layer",

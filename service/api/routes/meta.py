@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 import service
 from service.api.deps import StateDep
 from service.api.schemas import ModelCard, ModelList, Status, Version
+from service.engine.introspect import capacity_of
 
 public = APIRouter()
 private = APIRouter()
@@ -70,6 +71,7 @@ async def version() -> Version:
 async def models(state: StateDep) -> ModelList:
     """The served model and what its objects hold."""
     extractor = state.extractor
+    layout = state.engine_metrics.layout
     card = ModelCard(
         id=state.model_name,
         layer_ids=extractor.layer_ids,
@@ -81,6 +83,7 @@ async def models(state: StateDep) -> ModelList:
         default_codec=state.settings.storage.codec,
         # What every object's metadata carries (the codec there is the object's own).
         provenance=extractor.provenance.fields(state.settings.storage.codec, extractor.dtype),
+        kv_cache=None if layout is None else capacity_of(layout),
     )
     # Dataset runs fingerprint these: a resume under another tokenizer is refused. The
     # template's hash was taken once at start-up, with the provenance.
