@@ -126,39 +126,14 @@ def from_validation(exc: ValidationError | SettingsError) -> StartupError:
 
 # -- checks before the engine starts --------------------------------------------------
 
-#: Why hsx refuses pipeline parallelism (docs/design.md says what supporting it takes;
-#: tests/engine/test_pp_canary.py notices when vLLM stops refusing it).
-PIPELINE_PROBLEM = (
-    "vLLM 0.32's extract_hidden_states has no pipeline-parallel support (its extraction "
-    "model does not implement SupportsPP; aux states are not relayed between stages)"
-)
-PIPELINE_FIX = "use tensor_parallel_size or data parallelism"
-
 
 def pipeline_parallel_refusal(engine: EngineSettings) -> StartupError | None:
-    """The error for settings that ask vLLM for more than one pipeline stage, or None.
+    """The start-up error for settings that ask vLLM for more than one pipeline stage
+    (``service.engine.parallel.pipeline_refusal``), or None."""
+    from service.engine.parallel import pipeline_refusal
 
-    Both ways count: ``engine.pipeline_parallel_size`` and a ``pipeline_parallel_size``
-    passed through ``engine.extra_args`` (which vLLM would otherwise refuse with a
-    misleading "not supported for this model"). ``hsx serve`` raises it before anything
-    starts (:func:`check_parallelism`); ``service.engine.builder`` as a ValueError.
-    """
-    size = engine.pipeline_parallel_size
-    if size > 1:
-        return StartupError(
-            "engine.pipeline_parallel_size",
-            f"pipeline_parallel_size {size} is refused: {PIPELINE_PROBLEM}",
-            f"set it to 1 and {PIPELINE_FIX}",
-        )
-    if "pipeline_parallel_size" in engine.extra_args:
-        given = engine.extra_args["pipeline_parallel_size"]
-        if str(given).strip() != "1":  # 1, or "1" from HSX_ENGINE__EXTRA_ARGS__..., is a no-op
-            return StartupError(
-                "engine.extra_args",
-                f"pipeline_parallel_size {given!r} is refused: {PIPELINE_PROBLEM}",
-                f"remove it and {PIPELINE_FIX}",
-            )
-    return None
+    refusal = pipeline_refusal(engine)
+    return None if refusal is None else StartupError(*refusal)
 
 
 def check_parallelism(engine: EngineSettings) -> None:

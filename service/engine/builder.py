@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineSettings, Settings
+from service.engine.parallel import pipeline_refusal
 from service.engine.provenance import Provenance, build_provenance
 from service.engine.wire import ConnectorConfig
 from service.metrics import ExtractorMetrics
-from service.startup import pipeline_parallel_refusal
 from service.storage import Storage, open_storage, scheme_of
 
 CONNECTOR_CLASS = "HsxConnector"
@@ -118,7 +118,7 @@ def resolve_layer_ids(requested: list[int] | None, num_layers: int) -> list[int]
 def check_pipeline_parallel(engine: EngineSettings) -> None:
     """Refuse more than one pipeline stage, from the setting or ``extra_args``, with the
     words of ``hsx serve``'s start-up check (``service.startup``): ValueError."""
-    if (refusal := pipeline_parallel_refusal(engine)) is not None:
+    if (refusal := pipeline_refusal(engine)) is not None:
         raise ValueError(f"{refusal.setting}: {refusal.problem}; {refusal.fix}")
 
 

@@ -273,8 +273,9 @@ def test_shards_cover_every_row_once_and_fingerprints_guard_outputs(
     )  # fmt: skip
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
+        "hsx dataset: shard 0/4 from --shard",
         f"hsx dataset: error: {shard0} holds a run with other settings "
-        "(loss: 'last_turn' -> 'all'); use another --output, or --force to continue it anyway"
+        "(loss: 'last_turn' -> 'all'); use another --output, or --force to continue it anyway",
     ]
     assert {p.name: p.read_bytes() for p in shard0.iterdir()} == before
     ids = {row.index: row.custom_id for row in iter_rows(open_source(source))}
