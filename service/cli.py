@@ -84,6 +84,7 @@ SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dtype", "engine.dtype", str, "auto, float32, bfloat16 or float16"),
     ("--max-model-len", "engine.max_model_len", int, "longest sequence in tokens"),
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per replica"),
+    ("--data-parallel-size", "engine.data_parallel_size", int, "engines per server"),
     ("--pipeline-parallel-size", "engine.pipeline_parallel_size", int, "stages; only 1"),
     ("--storage-url", "storage.url", str, "a directory, file://... or s3://bucket/prefix"),
     ("--host", "server.host", str, "address to bind (default 127.0.0.1)"),

@@ -134,6 +134,13 @@ class EngineSettings(BaseModel):
         None, gt=0, description="Tokens per engine step; long prompts prefill in chunks."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica spans.")
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Engines one server runs side by side (vLLM's data parallelism), each "
+        "with its own KV cache and writer; requests are balanced between them.",
+    )
     completion_address: str = Field(
         "",
         description="Where the writing rank (tensor-parallel rank 0) tells the API that an "

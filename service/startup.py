@@ -264,6 +264,7 @@ _VLLM_ARGS = {
     "max_model_len": "engine.max_model_len",
     "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "tensor_parallel_size": "engine.tensor_parallel_size",
+    "data_parallel_size": "engine.data_parallel_size",
     "pipeline_parallel_size": "engine.pipeline_parallel_size",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory_bytes": "engine.cpu_kvcache_space_gib",
@@ -286,6 +287,15 @@ def from_engine(exc: BaseException, log_text: str, on_cpu: bool) -> StartupError
             str(exc),
             "set it to tcp://HOST:PORT with HOST this host's address as the writing "
             "rank's node reaches it, and open PORT to that node",
+            FAILED,
+        )
+    if "Not enough allowed NUMA nodes" in log_text:
+        return StartupError(
+            None,
+            "vLLM's CPU workers cannot be bound: VLLM_CPU_OMP_THREADS_BIND binds one "
+            "tensor- or data-parallel rank per NUMA node and there are fewer nodes",
+            "unset VLLM_CPU_OMP_THREADS_BIND (hsx then gives each rank its own CPUs), or "
+            "set it to one CPU list per rank, e.g. VLLM_CPU_OMP_THREADS_BIND='0|1'",
             FAILED,
         )
     if found := _KV_TOO_SMALL.search(log_text):

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from service.config import EngineSettings, Settings
-from service.engine.parallel import pipeline_refusal
+from service.engine.parallel import BIND_VARIABLE, cpu_binding, pipeline_refusal
 from service.engine.provenance import Provenance, build_provenance
 from service.engine.wire import ConnectorConfig
 from service.metrics import ExtractorMetrics
 from service.storage import Storage, open_storage, scheme_of
+
+log = logging.getLogger(__name__)
 
 CONNECTOR_CLASS = "HsxConnector"
 CONNECTOR_MODULE = "service.engine.connector"
@@ -146,6 +149,8 @@ def engine_args(
     engine = settings.engine
     check_pipeline_parallel(engine)  # no path reaches vLLM with more than one stage
     on_cpu = _on_cpu()
+    if on_cpu:
+        bind_cpu_workers(engine.tensor_parallel_size * engine.data_parallel_size)
     if on_cpu and engine.dtype in ("bfloat16", "float16"):
         # Spawned CPU workers died with SIGILL in bf16 (docs/cpu.md); fork works.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
@@ -168,6 +173,7 @@ def engine_args(
         max_model_len=engine.max_model_len,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         tensor_parallel_size=engine.tensor_parallel_size,
+        data_parallel_size=engine.data_parallel_size,
         enable_prefix_caching=prefix_caching,
         speculative_config={
             "method": "extract_hidden_states",
@@ -187,6 +193,18 @@ def engine_args(
             **engine.extra_args,
         },
     )
+
+
+def bind_cpu_workers(ranks: int) -> None:
+    """Give each of ``ranks`` CPU workers its own CPUs (``VLLM_CPU_OMP_THREADS_BIND``,
+    which the engine's processes inherit) unless the user chose a binding: vLLM's
+    default binds one rank per NUMA node and refuses more ranks than nodes."""
+    if ranks <= 1 or BIND_VARIABLE in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    binding = cpu_binding(ranks, cpus or list(range(os.cpu_count() or 1)))
+    os.environ[BIND_VARIABLE] = binding
+    log.info("hsx: %s=%s (%d CPU workers)", BIND_VARIABLE, binding, ranks)
 
 
 def memory_args(engine: EngineSettings, on_cpu: bool) -> dict[str, Any]:

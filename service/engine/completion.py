@@ -91,8 +91,11 @@ class CompletionReceiver:
         else:
             self._socket.bind(address)
         self.address = address
-        #: Set once the writing rank's hello has arrived (``WriterHello``).
+        #: Set once every writing rank's hello has arrived (``WriterHello``; one writer
+        #: per data-parallel engine: ``writers``).
         self.writer_ready = asyncio.Event()
+        self.writers = 1
+        self._hellos = 0
         self._waiting: dict[str, asyncio.Future[Completion]] = {}
         self._abandoned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -149,7 +152,9 @@ class CompletionReceiver:
             return
         if isinstance(message, WriterHello):
             log.info("hsx: writer pid %d on %s reached the API", message.writer_pid, message.host)
-            self.writer_ready.set()
+            self._hellos += 1
+            if self._hellos >= self.writers:
+                self.writer_ready.set()
             return
         completion = message
         if self.on_message is not None:

@@ -127,6 +127,7 @@ class Extractor:
             f"ipc://{Path(scratch.name) / 'completions.sock'}"
         )
         receiver = CompletionReceiver(address)
+        receiver.writers = settings.engine.data_parallel_size  # one writing rank per engine
         receiver.on_message = metrics.record
         receiver.start()
         args = engine_args(settings, info, layer_ids, receiver.address, storage_factory, provenance)

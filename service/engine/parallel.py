@@ -51,3 +51,30 @@ def pipeline_refusal(engine: EngineSettings) -> Refusal | None:
                 f"remove it and {PIPELINE_FIX}",
             )
     return None
+
+
+#: vLLM's CPU thread binding: one ``|``-separated CPU list per local rank, in
+#: [data-parallel, pipeline, tensor] rank order (vllm/utils/ompmultiprocessing.py).
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binding(ranks: int, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` CPU workers its own share
+    of ``cpus`` (contiguous, the first ranks one more where they do not divide).
+
+    vLLM's own default (``auto``) binds rank N to the N-th NUMA node, and refuses to
+    start when there are fewer nodes than ranks ("Not enough allowed NUMA nodes"): the
+    usual case on one socket. ValueError when there are fewer CPUs than ranks.
+    """
+    if len(cpus) < ranks:
+        raise ValueError(
+            f"{ranks} CPU workers (tensor x data parallel) need at least {ranks} CPUs, "
+            f"this process may use {len(cpus)}"
+        )
+    share, extra = divmod(len(cpus), ranks)
+    lists, start = [], 0
+    for rank in range(ranks):
+        size = share + (1 if rank < extra else 0)
+        lists.append(",".join(str(c) for c in cpus[start : start + size]))
+        start += size
+    return "|".join(lists)
