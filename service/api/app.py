@@ -205,8 +205,9 @@ async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
         edge.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]
     except Exception:  # a user-supplied worker extension replaces ours: no layout
         log.warning("hsx: KV-cache layout unavailable", exc_info=True)
-    else:
-        capacity = capacity_of(edge.engine_metrics.layout)
+    layout = edge.engine_metrics.layout
+    if layout is not None:  # a fake engine, or another extension, may have none
+        capacity = capacity_of(layout)
         log.info(
             "hsx: KV cache per rank: %d tokens, %d MiB, of which the hidden-state layer "
             "(not sharded by tensor parallelism) %d MiB",

@@ -149,8 +149,6 @@ def engine_args(
     engine = settings.engine
     check_pipeline_parallel(engine)  # no path reaches vLLM with more than one stage
     on_cpu = _on_cpu()
-    if on_cpu:
-        bind_cpu_workers(engine.tensor_parallel_size * engine.data_parallel_size)
     if on_cpu and engine.dtype in ("bfloat16", "float16"):
         # Spawned CPU workers died with SIGILL in bf16 (docs/cpu.md); fork works.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
@@ -196,13 +194,18 @@ def engine_args(
 
 
 def bind_cpu_workers(ranks: int) -> None:
-    """Give each of ``ranks`` CPU workers its own CPUs (``VLLM_CPU_OMP_THREADS_BIND``,
+    """On CPU, give each of ``ranks`` workers its own CPUs (``VLLM_CPU_OMP_THREADS_BIND``,
     which the engine's processes inherit) unless the user chose a binding: vLLM's
-    default binds one rank per NUMA node and refuses more ranks than nodes."""
-    if ranks <= 1 or BIND_VARIABLE in os.environ:
+    default binds one rank per NUMA node and refuses more ranks than nodes. Called
+    where an engine starts (``Extractor.start``), not where its arguments are built."""
+    if ranks <= 1 or BIND_VARIABLE in os.environ or not _on_cpu():
         return
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    binding = cpu_binding(ranks, cpus or list(range(os.cpu_count() or 1)))
+    try:
+        binding = cpu_binding(ranks, cpus or list(range(os.cpu_count() or 1)))
+    except ValueError as exc:  # vLLM's own binding then refuses, named at start-up
+        log.warning("hsx: %s; leaving %s to vLLM", exc, BIND_VARIABLE)
+        return
     os.environ[BIND_VARIABLE] = binding
     log.info("hsx: %s=%s (%d CPU workers)", BIND_VARIABLE, binding, ranks)
 

@@ -18,7 +18,14 @@ from typing import Any
 
 from service import codecs
 from service.config import Settings
-from service.engine.builder import ModelInfo, Prepared, engine_args, prepare, served_model_name
+from service.engine.builder import (
+    ModelInfo,
+    Prepared,
+    bind_cpu_workers,
+    engine_args,
+    prepare,
+    served_model_name,
+)
 from service.engine.completion import CompletionReceiver
 from service.engine.errors import (
     ERROR_TYPES,
@@ -118,6 +125,7 @@ class Extractor:
 
         if prepared is None:
             prepared = prepare(settings, storage_factory)
+        bind_cpu_workers(settings.engine.tensor_parallel_size * settings.engine.data_parallel_size)
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
         provenance = prepared.provenance
         log.info("hsx: provenance %s", provenance.fields())

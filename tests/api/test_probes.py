@@ -55,6 +55,12 @@ def test_models_and_version(client: httpx.Client, local_engine: ServerThread) ->
     assert provenance["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
     assert provenance == extractor.provenance.fields("raw", "float32")
     assert {"hsx_version", "vllm_version", "torch_version", "layer_convention"} <= set(provenance)
+    # The KV capacity per rank (its numbers are checked in test_metrics): the whole
+    # cache's bytes over the tokens, at least one full sequence.
+    capacity = card.pop("kv_cache")
+    assert capacity["tokens"] >= 512
+    assert capacity["bytes_per_token"] == capacity["memory_bytes"] // capacity["tokens"]
+    assert 0 < capacity["hidden_state_memory_bytes"] < capacity["memory_bytes"]
     assert card == {
         "id": "llama",  # the served name, not the server's path
         "object": "model",
