@@ -166,13 +166,20 @@ class MooncakeStorage(ThreadedStorage):
                 f"'hsx[mooncake]' (and libibverbs1 librdmacm1): {exc}"
             ) from None
         host, port = self.master
-        # setup() waits about 90 s for a master that is not there: fail fast instead.
-        try:
-            socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-        except OSError as exc:
-            raise StorageUnavailableError(
-                f"mooncake: master {host}:{port} does not answer ({exc})", operation="setup"
-            ) from None
+        # setup() waits about 90 s for a master that is not there: fail fast instead,
+        # but give one that is still starting (a pod beside ours) a few seconds.
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+                break
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise StorageUnavailableError(
+                        f"mooncake: master {host}:{port} does not answer ({exc})",
+                        operation="setup",
+                    ) from None
+                time.sleep(0.1)
         store = MooncakeDistributedStore()
         result = store.setup(
             _local_hostname(host, self.options.local_hostname),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -117,7 +118,11 @@ class MooncakeMaster:
                     f"{self.output()[-3000:]}"
                 )
             with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
-                return bool(response.status == 200)
+                if response.status != 200:
+                    return False
+            # The metrics server may answer before the RPC port listens.
+            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=2).close()
+            return True
 
         wait_until(answers, self.ready_timeout_s, "mooncake_master never answered /metrics",
                    interval_s=0.02, ignore=(OSError,))  # fmt: skip
