@@ -58,22 +58,8 @@ async def export_speculators_async(
         samples, input_rows, final = await _samples(root)
     finally:
         await root.close()
-    undecided = max(0, input_rows - final)
-    if undecided:
-        what = (
-            f"{output}: {undecided} of {input_rows} input rows are undecided (not sent yet, "
-            "or failed with a retryable error)"
-        )
-        if not allow_partial:
-            raise ExportError(
-                f"{what}; finish the run (run the same command again), or pass "
-                f"--allow-partial to export its {len(samples)} ok rows"
-            )
-        print(
-            f"hsx dataset: warning: {what}; exporting the {len(samples)} ok rows",
-            file=sys.stderr,
-            flush=True,
-        )
+    ok = f"{len(samples)} ok rows"
+    _check_decided(output, input_rows, final, allow_partial, f"its {ok}", f"the {ok}")
     samples.sort(key=lambda pair: (pair[1].row, pair[1].custom_id))
     from datasets import Dataset  # type: ignore[import-untyped]
 
@@ -178,22 +164,8 @@ async def export_openai_batch_async(
     finally:
         await root.close()
     final = sum(1 for _, _, r in records if r.final)
-    undecided = max(0, input_rows - final)
-    if undecided:
-        what = (
-            f"{output}: {undecided} of {input_rows} input rows are undecided (not sent yet, "
-            "or failed with a retryable error)"
-        )
-        if not allow_partial:
-            raise ExportError(
-                f"{what}; finish the run (run the same command again), or pass "
-                "--allow-partial to export the decided rows"
-            )
-        print(
-            f"hsx dataset: warning: {what}; exporting the decided rows",
-            file=sys.stderr,
-            flush=True,
-        )
+    rows = "the decided rows"
+    _check_decided(output, input_rows, final, allow_partial, rows, rows)
     lines = _batch_lines(records, endpoint, storage_url)
     partial = dest.with_name(dest.name + ".partial")
     try:
@@ -242,3 +214,23 @@ def _batch_lines(
             params = batch_api.transfer_params(record, codec, uri, local)
         lines.append(batch_api.output_line(record.custom_id, record, model, params))
     return lines
+
+
+def _check_decided(
+    output: str, input_rows: int, final: int, allow_partial: bool, offer: str, exporting: str
+) -> None:
+    """ExportError while input rows are undecided, offering ``--allow-partial`` to
+    export ``offer``; with it, a warning that ``exporting`` is what goes out."""
+    undecided = max(0, input_rows - final)
+    if not undecided:
+        return
+    what = (
+        f"{output}: {undecided} of {input_rows} input rows are undecided (not sent yet, "
+        "or failed with a retryable error)"
+    )
+    if not allow_partial:
+        raise ExportError(
+            f"{what}; finish the run (run the same command again), or pass "
+            f"--allow-partial to export {offer}"
+        )
+    print(f"hsx dataset: warning: {what}; exporting {exporting}", file=sys.stderr, flush=True)

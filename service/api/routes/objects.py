@@ -161,13 +161,18 @@ async def delete_object(key: str, state: StateDep, namespace: NamespaceDep) -> R
     return Response(status_code=204)
 
 
+async def read_whole(storage: Storage, key: str) -> bytes:
+    """The object's bytes as stored; 404 if there is none."""
+    try:
+        return await storage.get(key)
+    except NotFoundError:
+        raise not_found(key) from None
+
+
 async def unpacked(storage: Storage, key: str) -> Response:
     """An object of a store that lays objects out otherwise (Mooncake's packed layout)
     as the safetensors bytes it has on any other backend."""
-    try:
-        data = await storage.get(key)
-    except NotFoundError:
-        raise not_found(key) from None
+    data = await read_whole(storage, key)
     try:
         body = await run_in_threadpool(as_safetensors, data, storage.container)
     except CorruptObjectError as exc:
@@ -179,10 +184,7 @@ async def unpacked(storage: Storage, key: str) -> Response:
 
 async def decoded(storage: Storage, key: str) -> Response:
     """The object as a ``raw`` one, read whole and decoded off the event loop."""
-    try:
-        data = await storage.get(key)
-    except NotFoundError:
-        raise not_found(key) from None
+    data = await read_whole(storage, key)
     try:
         raw = await run_in_threadpool(_to_raw, data, storage.container)
     except ValueError as exc:  # an unknown codec or version, or CorruptObjectError
