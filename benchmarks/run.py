@@ -21,6 +21,8 @@ from benchmarks import (
     drafter_bench,
     engine_bench,
     handoff_bench,
+    limits_bench,
+    parallel_bench,
     real_model_bench,
     storage_bench,
     validation_bench,
@@ -34,6 +36,8 @@ ENGINE_BENCHES = (
     real_model_bench,
     dataset_bench,
     engine_bench,
+    limits_bench,
+    parallel_bench,
     drafter_bench,
 )
 #: Every bench whose notes go under the table, in the table's order.

@@ -202,7 +202,9 @@ async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
     model_name = served_model_name(extractor.info.name)
     build_info(edge.registry, model_name)
     try:
-        edge.engine_metrics.layout = (await extractor.on_workers("hsx_kv_layout"))[0]
+        workers = await extractor.on_workers("hsx_kv_layout")
+        # One layout per data-parallel engine: its first rank's (ranks hold the same groups).
+        edge.engine_metrics.layouts = [w for w in workers if w.get("rank", 0) == 0] or workers[:1]
     except Exception:  # a user-supplied worker extension replaces ours: no layout
         log.warning("hsx: KV-cache layout unavailable", exc_info=True)
     layout = edge.engine_metrics.layout
@@ -210,10 +212,11 @@ async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
         capacity = capacity_of(layout)
         log.info(
             "hsx: KV cache per rank: %d tokens, %d MiB, of which the hidden-state layer "
-            "(not sharded by tensor parallelism) %d MiB",
+            "(not sharded by tensor parallelism) %d MiB; %d data-parallel engine(s)",
             capacity["tokens"],
             capacity["memory_bytes"] >> 20,
             capacity["hidden_state_memory_bytes"] >> 20,
+            len(edge.engine_metrics.layouts),
         )
     pool = ThreadPoolExecutor(settings.limits.tokenizer_threads, thread_name_prefix="hsx-tokenize")
     return ApiState(

@@ -18,8 +18,9 @@ Anything else is ``IdempotencyConflictError`` (409 ``conflict``) naming what dif
 and so is an object under the key that cannot be read as one (a malformed header, a
 missing tensor, a missing or malformed ``hsx.request``); the stored object is never
 touched. Identical requests in flight in this process share one engine run
-(``service.api.singleflight``); different ones do not, and the create-only write lets
-one of them store its object, the others then meeting it as above. Across replicas the
+(``service.api.singleflight``); different ones do not: the extractor runs them one
+after the other (``Extractor._one_at_a_time``), and the create-only write lets the
+first store its object, the others then meeting it as above. Across replicas the
 same: the create-only write refuses the second writer, which then reads the first's.
 """
 

@@ -147,54 +147,71 @@ class ExtractMetrics:
 
 
 class EngineCollector(Collector):
-    """KV-cache layout and worker memory, from snapshots the app refreshes."""
+    """KV-cache layout and worker memory, from snapshots the app refreshes.
+
+    ``layouts`` holds one layout per data-parallel engine (its rank 0's: the ranks of
+    one engine hold the same groups), each carrying its ``engine``; every KV series
+    has an ``engine`` label, so no two engines' series are alike."""
 
     def __init__(self) -> None:
-        self.layout: dict[str, Any] | None = None
+        self.layouts: list[dict[str, Any]] = []
         self.memory: list[dict[str, Any]] = []
+
+    @property
+    def layout(self) -> dict[str, Any] | None:
+        """The first engine's layout (every engine of a server has the same settings)."""
+        return self.layouts[0] if self.layouts else None
 
     def collect(self) -> Iterable[Metric]:
         yield from self._layout()
         yield from self._memory()
 
     def _layout(self) -> Iterable[Metric]:
-        layout = self.layout
-        if layout is None:
+        totals = {
+            "hsx_kv_cache_groups": "KV-cache groups of the engine.",
+            "hsx_kv_cache_blocks": "KV-cache blocks (shared by all groups).",
+            "hsx_kv_cache_memory_bytes": "KV-cache memory allocated.",
+            "hsx_kv_cache_hidden_state_memory_bytes": (
+                "KV-cache memory addressed by the hidden-state layer."
+            ),
+        }
+        if not self.layouts:
             return
-        groups = layout["groups"]
-        yield _gauge("hsx_kv_cache_groups", "KV-cache groups of the engine.", len(groups))
-        yield _gauge(
-            "hsx_kv_cache_blocks", "KV-cache blocks (shared by all groups).", layout["num_blocks"]
-        )
-        yield _gauge(
-            "hsx_kv_cache_memory_bytes", "KV-cache memory allocated.", layout["memory_bytes"]
-        )
-        yield _gauge(
-            "hsx_kv_cache_hidden_state_memory_bytes",
-            "KV-cache memory addressed by the hidden-state layer.",
-            layout["hidden_state_memory_bytes"],
-        )
+        families = {
+            name: GaugeMetricFamily(name, text, labels=["engine"]) for name, text in totals.items()
+        }
         info = InfoMetricFamily(
             "hsx_kv_cache_group",
             "One KV-cache group.",
-            labels=["group", "kind", "block_size", "layers"],
+            labels=["engine", "group", "kind", "block_size", "layers"],
         )
         page = GaugeMetricFamily(
             "hsx_kv_cache_group_page_size_bytes",
             "Bytes of one block of the group (all its layers).",
-            labels=["group"],
+            labels=["engine", "group"],
         )
         memory = GaugeMetricFamily(
             "hsx_kv_cache_group_memory_bytes",
             "KV-cache bytes the group's layers address.",
-            labels=["group"],
+            labels=["engine", "group"],
         )
-        for g in groups:
-            index = str(g["index"])
-            info.add_metric([index, g["kind"], str(g["block_size"]), str(g["layers"])], {})
-            page.add_metric([index], g["page_size_bytes"])
-            memory.add_metric([index], g["memory_bytes"])
-        yield from (info, page, memory)
+        for layout in self.layouts:
+            engine = str(layout.get("engine", 0))
+            groups = layout["groups"]
+            families["hsx_kv_cache_groups"].add_metric([engine], len(groups))
+            families["hsx_kv_cache_blocks"].add_metric([engine], layout["num_blocks"])
+            families["hsx_kv_cache_memory_bytes"].add_metric([engine], layout["memory_bytes"])
+            families["hsx_kv_cache_hidden_state_memory_bytes"].add_metric(
+                [engine], layout["hidden_state_memory_bytes"]
+            )
+            for g in groups:
+                index = str(g["index"])
+                info.add_metric(
+                    [engine, index, g["kind"], str(g["block_size"]), str(g["layers"])], {}
+                )
+                page.add_metric([engine, index], g["page_size_bytes"])
+                memory.add_metric([engine, index], g["memory_bytes"])
+        yield from (*families.values(), info, page, memory)
 
     def _memory(self) -> Iterable[Metric]:
         fields = {
@@ -212,10 +229,6 @@ class EngineCollector(Collector):
                 place = [str(worker.get("engine", 0)), str(worker.get("rank", 0))]
                 family.add_metric([worker["device"], *place], worker[field])
             yield family
-
-
-def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, text, value=value)
 
 
 def build_info(registry: CollectorRegistry, model: str) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ class Extractor:
         #: Storage and writer metrics of both processes; an app registers them.
         self.metrics = metrics
         self._receiver.on_orphan = self._remove_orphan
+        #: Keys with an extraction in flight here: (its lock, the calls holding or awaiting it).
+        self._keys_in_flight: dict[str, tuple[asyncio.Lock, int]] = {}
         self.dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
         self.max_model_len = int(engine.vllm_config.model_config.max_model_len)
         #: The codecs this server offers (service.codecs).
@@ -90,8 +92,18 @@ class Extractor:
         return self.engine.tokenizer
 
     async def on_workers(self, method: str) -> list[Any]:
-        """Call a ``HsxWorkerExtension`` method in every worker; one result per TP rank."""
-        return list(await self.engine.collective_rpc(method, timeout=30))
+        """Call a ``HsxWorkerExtension`` method in every worker of every engine; one
+        result per worker, data-parallel engine by engine, ranks in order.
+
+        ``AsyncLLM.collective_rpc`` asks the first engine only when there are several
+        (vLLM's DP client answers utility calls with engine 0's result), so the call
+        goes to each engine through the client's ``call_utility_all_async``."""
+        core = self.engine.engine_core
+        call_all = getattr(core, "call_utility_all_async", None)
+        if call_all is None or len(getattr(core, "core_engines", ())) < 2:
+            return list(await self.engine.collective_rpc(method, timeout=30))
+        per_engine = await call_all("collective_rpc", method, 30, (), None)
+        return [worker for workers in per_engine for worker in workers]
 
     @property
     def alive(self) -> bool:
@@ -235,15 +247,37 @@ class Extractor:
         key: see ``_remove_orphan``).
         """
         key = params.key
-        waiter = self._receiver.expect(key)
-        try:
-            output = await self._generate(params, list(prompt_token_ids), max_tokens)
-            completion = await waiter
-        except BaseException:
-            self._receiver.abandon(key, waiter)
-            raise
+        async with self._one_at_a_time(key):
+            waiter = self._receiver.expect(key)
+            try:
+                output = await self._generate(params, list(prompt_token_ids), max_tokens)
+                completion = await waiter
+            except BaseException:
+                self._receiver.abandon(key, waiter)
+                raise
         stored = tuple(self.layer_ids) if params.layers is None else params.layers
         return _extraction(completion, output, params.codec, stored)
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, key: str) -> AsyncIterator[None]:
+        """Hold ``key`` while its extraction runs; a second call under it waits.
+
+        Completions name their key only, so two extractions under one key in flight at
+        once (different prompts under one ``custom_id``: the API shares a run only
+        between identical requests) would take each other's completion, and one waiter
+        was never answered. In turn, the second meets the first's durable object (its
+        create-only write fails), which the API's idempotency check then judges."""
+        lock, users = self._keys_in_flight.get(key, (asyncio.Lock(), 0))
+        self._keys_in_flight[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._keys_in_flight[key]
+            if users == 1:
+                del self._keys_in_flight[key]
+            else:
+                self._keys_in_flight[key] = (lock, users - 1)
 
     async def _generate(self, params: RequestParams, prompt: list[int], max_tokens: int) -> Any:
         from vllm import SamplingParams

@@ -100,8 +100,10 @@ class HsxWorkerExtension:
     model_runner: Any
 
     def hsx_kv_layout(self) -> dict[str, Any]:
-        """The KV-cache layout of this worker's model runner."""
-        return layout_of(self.model_runner.kv_cache_config, kv_cache_bytes(self.model_runner))
+        """The KV-cache layout of this worker's model runner, with its place (``rank``,
+        ``engine``: see ``hsx_memory``)."""
+        layout = layout_of(self.model_runner.kv_cache_config, kv_cache_bytes(self.model_runner))
+        return {**layout, **self._hsx_place()}
 
     def hsx_kv_config(self) -> dict[str, Any]:
         """The raw ``KVCacheConfig`` fields, for checks that recompute the layout."""
@@ -124,12 +126,16 @@ class HsxWorkerExtension:
         """Device memory, KV cache and weights of this worker, in bytes, with its place:
         ``rank`` (in its engine's world: TP x PP) and ``engine`` (its data-parallel rank),
         so that no two workers' series are alike (every CPU worker's device is ``cpu``)."""
+        return {**memory_of(self.model_runner), **self._hsx_place()}
+
+    def _hsx_place(self) -> dict[str, int]:
         parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
-        return {
-            **memory_of(self.model_runner),
-            "rank": int(getattr(self, "rank", 0) or 0),
-            "engine": int(getattr(parallel, "data_parallel_rank", 0) or 0),
-        }
+        # Not ``data_parallel_rank``: vLLM resets that to 0 in each engine of a dense
+        # model (its DP ranks run independently); ``data_parallel_index`` keeps the rank.
+        engine = getattr(parallel, "data_parallel_index", None)
+        if engine is None:
+            engine = getattr(parallel, "data_parallel_rank", 0)
+        return {"rank": int(getattr(self, "rank", 0) or 0), "engine": int(engine or 0)}
 
 
 def memory_of(runner: Any) -> dict[str, Any]:

@@ -155,7 +155,7 @@ class FakeExtractor:
 
     async def on_workers(self, method: str) -> list[Any]:
         """No workers: no KV layout, no memory samples."""
-        return [None] if method == "hsx_kv_layout" else []
+        return []
 
     async def close(self) -> None:
         self.closed = True

@@ -161,8 +161,8 @@ def assert_layout_matches(url: str, engine: ServerThread) -> None:
     raw = engine.call(engine.extractor.on_workers("hsx_kv_config"))[0]
     samples = scrape(url)
     want = expected_layout(raw)
-    assert value(samples, "hsx_kv_cache_groups") == want["groups"]
-    assert value(samples, "hsx_kv_cache_blocks") == want["blocks"]
+    assert value(samples, "hsx_kv_cache_groups", engine="0") == want["groups"]
+    assert value(samples, "hsx_kv_cache_blocks", engine="0") == want["blocks"]
     assert want["blocks"] == engine.extractor.engine.vllm_config.cache_config.num_gpu_blocks
     infos = {
         dict(labels)["group"]: dict(labels)
@@ -172,9 +172,12 @@ def assert_layout_matches(url: str, engine: ServerThread) -> None:
     for index, (block_size, layers, page) in enumerate(want["per_group"]):
         info = infos[str(index)]
         assert (int(info["block_size"]), int(info["layers"])) == (block_size, layers)
-        assert value(samples, "hsx_kv_cache_group_page_size_bytes", group=str(index)) == page
+        assert (
+            value(samples, "hsx_kv_cache_group_page_size_bytes", engine="0", group=str(index))
+            == page
+        )
     # Memory: what the worker allocated, seen the same way by both families.
-    allocated = value(samples, "hsx_kv_cache_memory_bytes")
+    allocated = value(samples, "hsx_kv_cache_memory_bytes", engine="0")
     assert allocated > 0
     assert (
         value(samples, "hsx_memory_kv_cache_bytes", device="cpu", engine="0", rank="0") == allocated
@@ -186,7 +189,7 @@ def assert_layout_matches(url: str, engine: ServerThread) -> None:
     assert card["kv_cache"]["tokens"] == want["blocks"] // want["groups"] * smallest
     assert card["kv_cache"]["memory_bytes"] == allocated
     assert card["kv_cache"]["hidden_state_memory_bytes"] == value(
-        samples, "hsx_kv_cache_hidden_state_memory_bytes"
+        samples, "hsx_kv_cache_hidden_state_memory_bytes", engine="0"
     )
     total = value(samples, "hsx_memory_total_bytes", device="cpu", engine="0", rank="0")
     assert total == value(
@@ -209,7 +212,7 @@ def test_dense_layout_matches_the_engine(local_url: str, local_engine: ServerThr
     raw = local_engine.call(extractor.on_workers("hsx_kv_config"))[0]
     block = raw["groups"][0]["block_size"]
     expected = raw["num_blocks"] * block * len(extractor.layer_ids) * 128 * 4
-    assert value(samples, "hsx_kv_cache_hidden_state_memory_bytes") == expected
+    assert value(samples, "hsx_kv_cache_hidden_state_memory_bytes", engine="0") == expected
 
 
 @pytest.mark.parametrize("dashboard", DASHBOARDS, ids=lambda p: p.name)

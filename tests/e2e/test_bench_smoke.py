@@ -62,6 +62,8 @@ async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None)
         "dataset_bench",
         "copy_bench",
         "handoff_bench",
+        "parallel_bench",
+        "limits_bench",
     ],
 )
 async def test_quick_bench_gives_well_formed_rows(

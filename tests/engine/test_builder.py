@@ -14,6 +14,7 @@ from service.engine.builder import (
     read_model_info,
     resolve_layer_ids,
 )
+from service.engine.parallel import cpu_binding
 
 
 @pytest.mark.parametrize(
@@ -89,3 +90,11 @@ def test_extra_args_may_override_memory_settings(model_dir: Any) -> None:
     settings = Settings(engine={"model": model, "extra_args": extra})
     args = engine_args(settings, read_model_info(model), [1], "ipc:///x")
     assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization) == (123 * 1024**2, 0.3)
+
+
+def test_each_rank_gets_its_own_cpus() -> None:
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0,1,2|3,4"
+    assert cpu_binding(1, [3]) == "3"
+    with pytest.raises(ValueError, match="need at least 4 CPUs"):
+        cpu_binding(4, [0, 1])

@@ -111,3 +111,25 @@ async def test_cancelled_requests_leave_nothing_and_engine_serves(llama: Any) ->
 
 def _objects(root: Path) -> list[str]:
     return [p.name for p in root.rglob("*.safetensors")] if root.exists() else []
+
+
+async def test_two_prompts_under_one_key_in_flight_both_get_an_answer(llama: Any) -> None:
+    """Different prompts under one key at once (one custom_id, two different requests):
+    the first stores its object, the second's create-only write fails, and neither
+    waits forever. Completions name only their key: both once waited on one slot."""
+    from service.engine.errors import ExtractionError
+
+    first, second = random_prompts([20, 33], seed=31)
+    key = llama.request_params("same-key").key
+    params = llama.request_params("same-key", key=key)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            llama.extract(first, params), llama.extract(second, params), return_exceptions=True
+        ),
+        timeout=120,
+    )
+    assert results[0].key == key, results  # the first call holds the key first
+    assert isinstance(results[1], ExtractionError), results
+    assert "already exists" in str(results[1])
+    stored = load(await read(llama, key))["token_ids"].tolist()
+    assert stored == first
