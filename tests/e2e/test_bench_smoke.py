@@ -64,6 +64,7 @@ async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None)
         "handoff_bench",
         "parallel_bench",
         "limits_bench",
+        pytest.param("peer_bench", marks=pytest.mark.timeout(900)),
     ],
 )
 async def test_quick_bench_gives_well_formed_rows(

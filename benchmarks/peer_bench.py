@@ -1,0 +1,426 @@
+"""The peer bench (issue 31): hsx against vLLM's own hidden-states connector, and hsx's
+engine without extraction against a stock vLLM engine, one engine per process.
+
+``python -m benchmarks.peer_bench [--quick]`` (also ``python -m benchmarks.run --only
+peer_bench``). Every measurement is a fresh ``python -m benchmarks.peer_side`` process
+with one engine (``benchmarks/peer_side.py``), the two sides of a row alternating in
+ABBA order, with the same prompts, model, layers, dtype and CPU binding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Row, Timer, table_line, timed
+from benchmarks.peer_side import PromptSet
+
+REPO = Path(__file__).resolve().parent.parent
+ROW_PREFIXES = ("peer: ",)
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+#: A side's process gets this long (engine start, warm-up, every set) before it is killed.
+SIDE_TIMEOUT_S = 1200
+#: Before each side's process: wait up to QUIET_WAIT_S for CPU use under QUIET_PERCENT.
+QUIET_WAIT_S, QUIET_PERCENT = 20.0, 10.0
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model of the bench: which, its layers, and the prompt sets each side runs."""
+
+    label: str
+    kind: str  # "random" (service.engine.tiny_models) or "demo" (SmolLM2-135M-Instruct)
+    layers: tuple[int, ...]
+    sets: tuple[str, ...]  # PromptSet names: LENGTHxCOUNT@IN_FLIGHT
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The models, the stock comparison's sets and the rounds of one mode."""
+
+    hidden: int
+    num_layers: int
+    models: tuple[ModelPlan, ...]
+    stock_sets: tuple[str, ...]  # on the first model
+    rounds: int  # per pair of sides: one process per side per round, ABBA
+    stock_rounds: int
+    suspect_sets: tuple[str, ...] = ()  # on the first model; none: no suspect rows
+
+
+_RANDOM_LAYERS = (2, 4, 5, 8)
+FULL = Plan(
+    hidden=512,
+    num_layers=8,
+    models=(
+        ModelPlan(
+            "random Llama 512x8",
+            "random",
+            _RANDOM_LAYERS,
+            ("256x16@1", "256x64@8", "256x64@64", "2048x4@1", "2048x8@8", "2048x16@64"),
+        ),
+        ModelPlan(
+            "SmolLM2-135M",
+            "demo",
+            (2, 15, 27, 30),
+            ("256x8@1", "256x32@8", "256x64@64", "2048x2@1", "2048x8@8"),
+        ),
+    ),
+    stock_sets=("256x16@1", "256x64@8", "256x64@64", "2048x8@8"),
+    rounds=2,
+    stock_rounds=2,
+    suspect_sets=("256x64@8",),
+)
+QUICK = Plan(
+    hidden=128,
+    num_layers=4,
+    models=(ModelPlan("random Llama 128x4", "random", (1, 2, 4), ("256x4@1", "256x16@8")),),
+    stock_sets=("256x16@8",),
+    rounds=1,
+    stock_rounds=1,
+)
+
+NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's engine,
+  `Extractor.extract` of every prompt (the answer comes once the object is durable:
+  safetensors file written, SHA-256 computed, file and directory fsync'd). *peer*: a
+  stock vLLM `AsyncLLM` with `speculative_config` `extract_hidden_states` (1 token, the
+  same layer ids) and vLLM's `ExampleHiddenStatesConnector`, as
+  `benchmarks/peer_connector.py`'s `CpuHiddenStatesConnector`, which replaces only its
+  CUDA calls (`torch.cuda.Stream` / `torch.cuda.stream` / `wait_event`, the two
+  `torch.cuda.Event`s, the pinned host buffer and its non-blocking copy; the gather
+  `extract_from_kv_cache` returns a host tensor already): its 8 writer threads,
+  `safetensors.torch.save_file` (no fsync) and lock files are the stock ones; a peer
+  request counts as done once `LOCK_SH` on its file's `.lock` is granted (the writer
+  released it), as `load_hidden_states` waits. *stock*: a stock `AsyncLLM`, no
+  speculative method, no connector; *hsx-plain*: hsx's engine serving the same plain
+  requests (`max_tokens=1`, no hsx parameters: nothing is saved). Every side's
+  arguments are hsx's own (`service.engine.builder.engine_args`) minus what the side
+  lacks: float32, `enforce_eager` on every side, prefix caching off,
+  `max_num_batched_tokens` 2048, `max_model_len` 2064, a 2 GiB KV cache.
+- **method**: each measurement is a process of its own (`python -m
+  benchmarks.peer_side`), which starts one engine, sends two untimed prompts of each
+  length, times each prompt set once and shuts the engine down; only one engine is
+  alive at a time. The two sides of a row alternate in ABBA order (round r: A then B
+  when r is even, B then A when odd), {FULL.rounds} rounds per side for hsx/peer and
+  {FULL.stock_rounds} for hsx-plain/stock; each round gets fresh random prompts, the
+  same on both sides. Throughput is prompt tokens over the wall time of a set, all of
+  whose prompts are submitted with at most N in flight (the row's "N in flight");
+  a side's time is the median over its rounds, and each row gives the range of the
+  per-round ratios, the CPU-seconds ratio (the other side's median CPU seconds, client
+  and engine processes, over ours: above 1 when ours costs less CPU; less sensitive to
+  other load than wall time) and the most CPU that other processes used during any of its sets
+  (as a share of the machine; before each side's process the bench waits up to
+  {QUIET_WAIT_S:.0f} s for the machine to be under {QUIET_PERCENT:.0f}% busy). Thread
+  binding, stated and equal: every side's process gets
+  `{BIND_VARIABLE}` set to all the CPUs it may use (here `0-1`, unless the caller set
+  the variable), so vLLM's CPU worker binds one OpenMP thread per CPU on every side
+  whatever its reservation rules (which otherwise keep one core back from a stock
+  engine without a connector on 2 cores); the side's process records which CPUs each
+  of its engine's threads may run on. Full mode: a random Llama of hidden
+  {FULL.hidden}, {FULL.num_layers} layers (`service.engine.tiny_models.make_model`,
+  layer ids {list(FULL.models[0].layers)}), and the demo model SmolLM2-135M-Instruct
+  (layer ids {list(FULL.models[1].layers)}). At 2048 tokens a set of 64 prompts would
+  take minutes per side per round on 2 cores, so the "64 in flight" set at 2048 holds
+  16 prompts on the random model, all in flight at once, and the demo model has no
+  such set (its 8-prompt set is all in flight already); the rows name the counts.
+  **suspect rows** (information; {FULL.suspect_sets[0]} on the random model, ABBA,
+  {FULL.stock_rounds} rounds): one difference at a time between hsx's engine without
+  extraction and a stock engine: a stock engine whose worker fixes glibc's mmap
+  threshold at 1 MiB exactly as hsx's does (`service/engine/allocator.py`, applied
+  through a one-method worker extension in `benchmarks/peer_side.py`); a stock
+  engine with the `extract_hidden_states` method and no connector; and hsx's engine
+  against that one (what is left: hsx's connector, its worker extension, the
+  allocator setting).
+  `--quick`: the tests' tiny model (hidden 128, 4 layers), two small sets, one round
+  per side: it shows the bench runs; its numbers mean little.
+"""
+
+
+def binding() -> str:
+    """The CPU list every side's worker is bound to: the caller's, or all our CPUs."""
+    if BIND_VARIABLE in os.environ:
+        return os.environ[BIND_VARIABLE]
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = cpus or list(range(os.cpu_count() or 1))
+    contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
+    return f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every side process of one model gets."""
+
+    model: Path
+    layers: tuple[int, ...]
+    scratch: Path
+    bind: str
+
+
+def wait_until_quiet(limit_s: float = QUIET_WAIT_S) -> None:
+    """Wait (at most ``limit_s``) until the machine's CPUs are nearly idle: no engine of
+    ours is alive here, so what runs belongs to others and would share the cores."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + limit_s
+    while (busy := psutil.cpu_percent(interval=2)) > QUIET_PERCENT:
+        if time.monotonic() > deadline:
+            log.warning("peer bench: the machine is %.0f%% busy with other work", busy)
+            return
+
+
+async def run_side(
+    launch: Launch, side: str, sets: tuple[str, ...], seed: int, tag: str = ""
+) -> dict[str, Any]:
+    """One side's process for one round, once the machine is quiet: its result
+    (``peer_side.one_round``)."""
+    await asyncio.to_thread(wait_until_quiet)
+    name = f"{side}-{launch.model.name}-{tag}{seed}"  # the tag keeps pairs' files apart
+    out, output = launch.scratch / f"{name}.json", launch.scratch / f"{name}.log"
+    command = [
+        *(sys.executable, "-m", "benchmarks.peer_side", "--side", side),
+        *("--model", str(launch.model), "--layers", ",".join(map(str, launch.layers))),
+        *("--sets", ",".join(sets), "--seed", str(seed)),
+        *("--work", str(launch.scratch / f"work-{name}"), "--out", str(out)),
+    ]
+    env = {**os.environ, BIND_VARIABLE: launch.bind}
+    with output.open("wb") as log_file:
+        process = await asyncio.create_subprocess_exec(
+            *command, cwd=REPO, env=env, stdout=log_file, stderr=log_file
+        )
+        try:
+            code = await asyncio.wait_for(process.wait(), SIDE_TIMEOUT_S)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise
+    if code != 0 or not out.exists():
+        tail = output.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"peer bench side {side} exited with {code}:\n{tail}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+async def abba(
+    launch: Launch, pair: tuple[str, str], sets: tuple[str, ...], rounds: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Each side's results over ``rounds`` rounds, in ABBA order; round r's prompts
+    (seed r) are the same on both sides."""
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side in pair}
+    for round_ in range(rounds):
+        for side in pair if round_ % 2 == 0 else pair[::-1]:
+            tag = f"{pair[0]}-vs-{pair[1]}-"
+            results[side].append(await run_side(launch, side, sets, round_, tag))
+            log.info("peer bench: %s round %d done", side, round_)
+    return results
+
+
+def _model(scratch: Path, plan: Plan, model: ModelPlan) -> Path:
+    if model.kind == "demo":
+        from service.demo_model import DEMO_DIR, prepare
+
+        return prepare(REPO / DEMO_DIR)
+    from service.engine.tiny_models import make_model
+
+    out = scratch / f"peer-model-{plan.hidden}x{plan.num_layers}"
+    if (out / "config.json").exists():
+        return out
+    return make_model(out, hidden_size=plan.hidden, num_layers=plan.num_layers, max_len=4096)
+
+
+async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
+    """The peer rows and the stock row. ``timer`` is unused: every time is taken inside
+    a side's own process (``benchmarks.peer_side``, with ``benchmarks.common.timed``)."""
+    del timer
+    plan = QUICK if quick else FULL
+    bind = binding()
+    peak = await asyncio.to_thread(matmul_peak, bind)
+    rows: list[Row] = []
+    for index, model in enumerate(plan.models):
+        directory = await asyncio.to_thread(_model, scratch, plan, model)
+        launch = Launch(directory, model.layers, scratch, bind)
+        peer = await abba(launch, ("hsx", "peer"), model.sets, plan.rounds)
+        rows += pair_rows("hsx / vLLM connector", model, peer, ">= 1.0")
+        rows += mfu_rows(peak, directory, model, peer)
+        if index == 0:
+            stock = await abba(launch, ("hsx-plain", "stock"), plan.stock_sets, plan.stock_rounds)
+            rows += pair_rows("hsx engine without extraction / stock vLLM", model, stock, ">= 0.99")
+            rows += mfu_rows(peak, directory, model, stock)
+            _check_binding({**peer, **stock})
+            rows += await suspect_rows(launch, model, plan)
+    return rows
+
+
+#: One difference each between hsx's engine and a stock one (``peer_side``'s sides).
+SUSPECTS = (
+    ("stock-malloc", "stock", "stock + hsx's 1 MiB mmap threshold in the worker / stock"),
+    ("stock-spec", "stock", "stock + extract_hidden_states method (no connector) / stock"),
+    ("hsx-plain", "stock-spec", "hsx engine without extraction / stock + the same method"),
+)
+
+
+async def suspect_rows(launch: Launch, model: ModelPlan, plan: Plan) -> list[Row]:
+    """Information rows that change one thing at a time between hsx's engine without
+    extraction and a stock engine, in ABBA rounds like the others."""
+    rows: list[Row] = []
+    for ours, theirs, what in SUSPECTS if plan.suspect_sets else ():
+        try:
+            results = await abba(launch, (ours, theirs), plan.suspect_sets, plan.stock_rounds)
+        except RuntimeError as exc:  # information only: the required rows stand
+            log.warning("peer bench: suspect %s / %s failed: %s", ours, theirs, exc)
+            continue
+        rows += pair_rows(f"suspect, {what}", model, results, "info")
+    return rows
+
+
+def _check_binding(results: dict[str, list[dict[str, Any]]]) -> None:
+    """Warn when the sides' engines ran on different CPU sets (the method requires the
+    same); the sets are in each side's result as ``thread_cpus``."""
+    seen = {
+        side: sorted({cpus for r in rounds for cpus in r["thread_cpus"]})
+        for side, rounds in results.items()
+    }
+    log.info("peer bench: CPUs of the engines' threads per side: %s", seen)
+    if len({tuple(cpus) for cpus in seen.values()}) > 1:
+        log.warning("peer bench: the sides' engine threads ran on different CPU sets: %s", seen)
+
+
+def _tok_s(tokens: float) -> str:
+    return f"{tokens:.0f} tok/s"
+
+
+def pair_rows(
+    what: str, model: ModelPlan, results: dict[str, list[dict[str, Any]]], target: str
+) -> list[Row]:
+    """One row per prompt set: the first side's throughput over the second's."""
+    ours, theirs = results.values()
+    rows = []
+    for name in ours[0]["seconds"]:
+        prompt_set = PromptSet.parse(name)
+        tokens = prompt_set.length * prompt_set.count
+        other = max(r["foreign_cpu"][name] for r in [*ours, *theirs])
+        a = [r["seconds"][name] for r in ours]
+        b = [r["seconds"][name] for r in theirs]
+        per_round = [y / x for x, y in zip(a, b, strict=True)]
+        cpu = _median_cpu(theirs, name) / _median_cpu(ours, name)
+        ratio = statistics.median(b) / statistics.median(a)
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
+        shown = min(prompt_set.in_flight, prompt_set.count)
+        row_name = (
+            f"peer: {what}, {model.label}, {prompt_set.count}x{prompt_set.length} tokens, "
+            f"{shown} in flight (throughput; per-round ratios {spread}, {len(a)} rounds; "
+            f"CPU-seconds ratio {cpu:.2f}; other processes' CPU up to {other:.0%})"
+        )
+        rows.append(
+            Row(
+                row_name,
+                _tok_s(tokens / statistics.median(a)),
+                _tok_s(tokens / statistics.median(b)),
+                ratio,
+                target,
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class Peak:
+    """This machine's measured float32 ``torch.mm`` peak at the engines' thread count."""
+
+    gflops: float
+    threads: int
+
+
+def matmul_peak(bind: str) -> Peak | None:
+    """The peak from ``benchmarks.machine_limits`` (measured here, while no engine is
+    alive), or None when that module is absent: the MFU rows are then left out."""
+    try:
+        limits = importlib.import_module("benchmarks.machine_limits")
+    except ImportError:
+        return None
+    import torch
+
+    wait_until_quiet()  # measured while others computed, the peak reads low
+    threads = bound_threads(bind)
+    return Peak(float(limits.matmul_peak_gflops(torch.float32, threads)), threads)
+
+
+def _median_cpu(rounds: list[dict[str, Any]], name: str) -> float:
+    """Median CPU seconds a side's processes (client and engine) spent on a set."""
+    return float(statistics.median(r["cpu_seconds"][name] for r in rounds))
+
+
+def mfu_rows(
+    peak: Peak | None, model_dir: Path, model: ModelPlan, results: dict[str, list[dict[str, Any]]]
+) -> list[Row]:
+    """Model FLOP utilisation of each side per prompt set: throughput x FLOPs per
+    token (``machine_limits.flops_per_token`` at the mean causal context, (n + 1) / 2)
+    over the matmul peak; no rows without a peak."""
+    if peak is None:
+        return []
+    limits = importlib.import_module("benchmarks.machine_limits")
+    ours, theirs = results
+    rows = []
+    for name in results[ours][0]["seconds"]:
+        prompt_set = PromptSet.parse(name)
+        flops = float(limits.flops_per_token(model_dir, (prompt_set.length + 1) / 2))
+        tokens = prompt_set.length * prompt_set.count
+        mfu = {
+            side: tokens
+            / statistics.median(r["seconds"][name] for r in rounds)
+            * flops
+            / (peak.gflops * 1e9)
+            for side, rounds in results.items()
+        }
+        rows.append(
+            Row(
+                f"peer: MFU, {ours} / {theirs}, {model.label}, {name} (float32 matmul peak "
+                f"{peak.gflops:.0f} GFLOP/s on {peak.threads} threads)",
+                f"{mfu[ours]:.0%}",
+                f"{mfu[theirs]:.0%}",
+                mfu[ours] / mfu[theirs],
+                "info",
+            )
+        )
+    return rows
+
+
+def bound_threads(bind: str) -> int:
+    """The forward pass's thread count: the CPUs in ``bind`` (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    cpus: set[int] = set()
+    for part in bind.replace("|", ",").split(","):
+        if "-" in part:
+            low, high = part.split("-")
+            cpus.update(range(int(low), int(high) + 1))
+        elif part.isdigit():
+            cpus.add(int(part))
+    return len(cpus) or os.cpu_count() or 1
+
+
+def main() -> None:
+    """``python -m benchmarks.peer_bench [--quick]``: print the rows and the notes."""
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, one round")
+    quick = parser.parse_args().quick
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    with tempfile.TemporaryDirectory(prefix="hsx-peer-bench-") as tmp:
+        rows = asyncio.run(run(Path(tmp), timed, quick=quick))
+    for row in rows:
+        print(table_line(row))
+    print(NOTES)
+
+
+if __name__ == "__main__":
+    main()

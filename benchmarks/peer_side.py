@@ -1,0 +1,305 @@
+"""One side of the peer bench, in a process of its own: one engine, one round.
+
+``python -m benchmarks.peer_side --side SIDE --model DIR --layers 2,4,5,8
+--sets 256x64@8,... --seed N --work DIR --out FILE`` starts one engine, warms it up,
+runs each prompt set once with its number of prompts in flight, shuts the engine down
+and writes ``{"seconds": {set: wall seconds}, ...}`` to ``FILE``. ``benchmarks.peer_bench``
+starts one such process per side per round, so only one engine is alive at a time and
+no engine inherits state (threads, allocator, binding) from another.
+
+Sides: ``hsx`` (``Extractor.extract``: durable objects), ``hsx-plain`` (the same engine,
+plain requests), ``peer`` (a stock ``AsyncLLM`` with ``extract_hidden_states`` and
+vLLM's ``ExampleHiddenStatesConnector``, ``benchmarks.peer_connector``; a request is
+done when its file's lock is released) and ``stock`` (a stock ``AsyncLLM``, no
+speculative method, no connector, plain requests). Two more isolate one difference
+each between hsx's engine and a stock one: ``stock-spec`` (a stock engine with the
+``extract_hidden_states`` method but no connector) and ``stock-malloc`` (a stock engine
+whose worker fixes glibc's mmap threshold at 1 MiB, as hsx's worker does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import timed
+from benchmarks.engine_sides import WARM_PROMPTS, Prompts, Side, extraction_side, plain_side
+from service.config import Settings
+
+SIDES = ("hsx", "hsx-plain", "peer", "stock", "stock-spec", "stock-malloc")
+#: The largest chunk of prompt tokens one engine step takes, on every side.
+MAX_BATCHED_TOKENS = 2048
+#: Prompt token ids are drawn from [3, VOCAB): the random model's vocabulary, and
+#: ordinary ids of the demo model's.
+VOCAB = 512
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """``count`` prompts of ``length`` tokens, ``in_flight`` of them submitted at a time."""
+
+    length: int
+    count: int
+    in_flight: int
+
+    @property
+    def name(self) -> str:
+        """``LENGTHxCOUNT@IN_FLIGHT``, the key of its time in the result."""
+        return f"{self.length}x{self.count}@{self.in_flight}"
+
+    @classmethod
+    def parse(cls, text: str) -> PromptSet:
+        """The inverse of :attr:`name`."""
+        shape, in_flight = text.split("@")
+        length, count = shape.split("x")
+        return cls(int(length), int(count), int(in_flight))
+
+
+def prompts_for(prompt_set: PromptSet, seed: int) -> Prompts:
+    """Fresh random prompts for one set of one round: the same on every side (the
+    seed names the round), never seen before by the engine (prefix caching is off on
+    every side anyway)."""
+    rng = random.Random(f"{seed}-{prompt_set.name}")
+    return [
+        [rng.randrange(3, VOCAB) for _ in range(prompt_set.length)] for _ in range(prompt_set.count)
+    ]
+
+
+async def in_flight(side: Side, prompts: Prompts, limit: int) -> None:
+    """Every prompt through ``side``, at most ``limit`` at a time."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(prompt: list[int]) -> None:
+        async with gate:
+            await side.run([prompt])
+
+    await asyncio.gather(*(one(p) for p in prompts))
+
+
+def hsx_settings(args: argparse.Namespace) -> Settings:
+    """The engine settings every side starts from (peer and stock drop hsx's parts)."""
+    return Settings(
+        engine={
+            "model": str(args.model),
+            "dtype": "float32",
+            "layer_ids": args.layers,
+            "max_model_len": args.max_len,
+            "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+            "cpu_kvcache_space_gib": args.kv_gib,
+            "enable_prefix_caching": False,
+            "extra_args": {"enforce_eager": True},
+        },
+        storage={"url": str(args.work / "hsx-objects")},
+        limits={"max_queued_prompts": 4096},
+    )
+
+
+def vllm_args(settings: Settings, connector_dir: Path | None, side: str = "stock") -> Any:
+    """hsx's own engine arguments with hsx's connector and worker extension taken out;
+    with ``connector_dir`` the speculative method stays and vLLM's connector writes
+    there, without it the speculative method goes too (the stock engine), except on
+    ``stock-spec`` (the speculative method, no connector); ``stock-malloc`` gets
+    :class:`MallocExtension` to set hsx's malloc option in its worker."""
+    from vllm.config import KVTransferConfig
+
+    from service.engine.builder import engine_args, read_model_info
+
+    info = read_model_info(str(settings.engine.model))
+    layers = list(settings.engine.layer_ids or [])
+    args = engine_args(settings, info, layers, "ipc://unused")
+    if side == "stock-spec":
+        return dataclasses.replace(args, kv_transfer_config=None, worker_extension_cls="")
+    if connector_dir is None:
+        extension = "benchmarks.peer_side.MallocExtension" if side == "stock-malloc" else ""
+        return dataclasses.replace(
+            args, speculative_config=None, kv_transfer_config=None, worker_extension_cls=extension
+        )
+    connector = KVTransferConfig(
+        kv_connector="CpuHiddenStatesConnector",
+        kv_connector_module_path="benchmarks.peer_connector",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"shared_storage_path": str(connector_dir)},
+    )
+    return dataclasses.replace(args, kv_transfer_config=connector, worker_extension_cls="")
+
+
+def peer_side(engine: Any, directory: Path) -> Side:
+    """Plain requests on the peer engine, each done when the connector's file is."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from benchmarks.peer_connector import wait_for_file
+
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    async def one(prompt: list[int]) -> None:
+        final = None
+        request = TokensPrompt(prompt_token_ids=prompt)
+        async for output in engine.generate(request, sampling, f"peer-{uuid.uuid4().hex}"):
+            final = output
+        if final is None or not final.kv_transfer_params:
+            raise RuntimeError("the peer's connector named no file")
+        await asyncio.to_thread(wait_for_file, final.kv_transfer_params["hidden_states_path"])
+
+    async def run(prompts: Prompts) -> None:
+        await asyncio.gather(*(one(p) for p in prompts))
+
+    async def clear() -> None:
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+
+    return Side(run, clear)
+
+
+@contextlib.asynccontextmanager
+async def open_side(args: argparse.Namespace) -> AsyncIterator[Side]:
+    """The engine of ``args.side``, started, as a :class:`Side`; shut down on exit."""
+    settings = hsx_settings(args)
+    if args.side in ("hsx", "hsx-plain"):
+        from service.engine.extractor import Extractor
+
+        extractor = await Extractor.start(settings)
+        try:
+            yield extraction_side(extractor) if args.side == "hsx" else plain_side(extractor.engine)
+        finally:
+            await extractor.close()
+        return
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from service.engine.extractor import _release_vllm_resources
+
+    directory = args.work / "peer-files" if args.side == "peer" else None
+    engine = AsyncLLM.from_engine_args(vllm_args(settings, directory, args.side))
+    try:
+        if args.side == "stock-malloc":  # what hsx's worker does for itself (allocator.py)
+            fixed = await engine.collective_rpc("peer_bench_fix_mmap_threshold")
+            if not all(fixed):
+                raise RuntimeError("mallopt(M_MMAP_THRESHOLD) was refused in the worker")
+        yield plain_side(engine) if directory is None else peer_side(engine, directory)
+    finally:
+        engine.shutdown()
+        _release_vllm_resources(engine)
+
+
+class MallocExtension:
+    """vLLM worker extension of the ``stock-malloc`` side: one method that applies hsx's
+    worker allocator setting (``service.engine.allocator.fix_mmap_threshold``: glibc's
+    mmap threshold fixed at 1 MiB) in the worker process, so that this one suspect can be
+    measured on a stock engine."""
+
+    def peer_bench_fix_mmap_threshold(self) -> bool:
+        """Fix the worker's mmap threshold as hsx's worker does; False if refused."""
+        from service.engine.allocator import fix_mmap_threshold
+
+        return fix_mmap_threshold()
+
+
+def thread_cpus() -> dict[str, int]:
+    """How many threads of this process's descendants (the engine's processes) may run
+    on which CPUs, e.g. ``{"0": 1, "1": 1, "0,1": 40}``: the binding each side got."""
+    import psutil
+
+    counts: dict[str, int] = {}
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error, OSError):
+            for thread in process.threads():
+                cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(thread.id)))
+                counts[cpus] = counts.get(cpus, 0) + 1
+    return counts
+
+
+def _busy_seconds() -> float:
+    """CPU seconds every process of the machine has used so far (all CPUs)."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
+def _own_seconds() -> float:
+    """CPU seconds this process and its descendants (the engine) have used so far."""
+    import psutil
+
+    total = 0.0
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+async def timed_set(side: Side, prompt_set: PromptSet, seed: int) -> tuple[float, float, float]:
+    """Wall seconds of one set, the CPU seconds this process and its engine spent on it,
+    and the share of the machine's CPU time that other processes used meanwhile (the
+    bench's measurements need it near 0)."""
+    prompts = prompts_for(prompt_set, seed)
+    run = functools.partial(in_flight, side, prompts, prompt_set.in_flight)
+    busy, own = _busy_seconds(), _own_seconds()
+    seconds = (await timed(run, 1))[0]
+    own = _own_seconds() - own
+    foreign = (_busy_seconds() - busy) - own
+    return seconds, own, max(foreign, 0.0) / (seconds * (os.cpu_count() or 1))
+
+
+async def one_round(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the side's engine, warm it up, time every set once, shut it down."""
+    sets = [PromptSet.parse(s) for s in args.sets]
+    started = time.perf_counter()
+    async with open_side(args) as side:
+        start_s = time.perf_counter() - started
+        for length in sorted({s.length for s in sets}):  # every shape once, untimed
+            await side.run(prompts_for(PromptSet(length, WARM_PROMPTS, 1), -1))
+            await side.clear()
+        bound = thread_cpus()
+        seconds, cpu, foreign = {}, {}, {}
+        for prompt_set in sets:
+            name = prompt_set.name
+            seconds[name], cpu[name], foreign[name] = await timed_set(side, prompt_set, args.seed)
+            await side.clear()
+    return {
+        "side": args.side,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "foreign_cpu": foreign,
+        "start_s": start_s,
+        "thread_cpus": bound,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of one side's process."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--side", choices=SIDES, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--layers", type=lambda s: [int(i) for i in s.split(",")], required=True)
+    parser.add_argument("--sets", type=lambda s: s.split(","), required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-len", type=int, default=2064)
+    parser.add_argument("--kv-gib", type=float, default=2.0)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    """Run one side for one round; the result goes to ``--out`` as JSON."""
+    args = parse_args()
+    result = asyncio.run(one_round(args))
+    result["bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    args.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":  # vLLM starts its engine processes from this one: guard it
+    main()
