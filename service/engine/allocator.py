@@ -5,15 +5,18 @@ many threads. glibc serves a large block with ``mmap`` and returns it to the sys
 ``free``, but each such free also raises its mmap threshold to the freed size (up to
 32 MiB). After the first few objects, every later one comes from a per-thread arena,
 whose freed memory mostly stays resident: the worker's RSS grew by about 500 MiB
-against an in-flight ceiling of 128 MiB (``make bench``'s RSS row). Fixing
-the threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``, which also turns off the
-dynamic adjustment) keeps every object-sized block on ``mmap``, so what is freed goes
-back at once; the price, one ``mmap``/``munmap`` pair per megabyte-sized block, is small
-beside writing that block to storage.
+against an in-flight ceiling of 128 MiB (``make bench``'s RSS row).
 
-Setting ``MALLOC_MMAP_THRESHOLD_`` in the environment does the same, but only for a
-process started with it; vLLM's engine processes inherit the server's environment, so
-the worker sets it for itself instead.
+The first fix fixed the threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``) for the
+whole worker. That put the forward pass's own activations of a megabyte or more on
+``mmap``/``munmap`` too, each with fresh page faults: the worker's forward threads
+spent 2.0-2.8 s of every 10 in the kernel against 0.4 s on a stock engine
+(benchmarks/peer_bench.py, docs/profile.md). The worker now keeps glibc's default
+(dynamic) threshold, and the writer gives freed heap back with ``malloc_trim`` once a
+share of its in-flight ceiling has been released, and whenever it goes idle
+(:class:`Trimmer`): the forward pass reuses its heap between trims, and freed objects
+leave RSS within a bounded number of bytes. ``fix_mmap_threshold`` stays for callers
+who want the old behaviour in a process of their own.
 """
 
 from __future__ import annotations
@@ -52,3 +55,32 @@ def _glibc() -> ctypes.CDLL | None:
     except (OSError, AttributeError):
         return None
     return libc
+
+
+#: The writer trims after releasing this share of its in-flight ceiling.
+TRIM_SHARE = 4
+
+
+class Trimmer:
+    """``malloc_trim(0)`` after every ``every`` bytes released, and when nothing is in
+    flight; does nothing where the C library is not glibc."""
+
+    def __init__(self, every: int) -> None:
+        self.every = max(1, every)
+        self._since = 0
+        libc = _glibc()
+        self._trim = None if libc is None else libc.malloc_trim
+        #: Trims done (for tests and the bench's notes).
+        self.count = 0
+
+    def released(self, nbytes: int, in_flight: int) -> bool:
+        """Count ``nbytes`` released (``in_flight`` left); trim if due. True if trimmed."""
+        if self._trim is None:
+            return False
+        self._since += nbytes
+        if in_flight and self._since < self.every:
+            return False
+        self._since = 0
+        self._trim(0)
+        self.count += 1
+        return True

@@ -34,6 +34,7 @@ from typing import Any, TypeVar, cast
 from service import codecs
 from service.client.models import LayerStatistics
 from service.config import StorageSettings
+from service.engine.allocator import TRIM_SHARE, Trimmer
 from service.engine.completion import CompletionSender
 from service.engine.errors import (
     ExtractionError,
@@ -290,6 +291,8 @@ class WriterPool:
         storage_factory: str | None = None,
     ) -> None:
         self.budget = InFlightBudget(max_bytes_in_flight)
+        # Freed objects go back to the system in bounded steps (service/engine/allocator.py).
+        self._trimmer = Trimmer(max_bytes_in_flight // TRIM_SHARE)
         self._sender = sender
         self._ops = OpBuffer()
         # Encoding runs torch ops in these threads: one intra-op thread each, or every
@@ -366,6 +369,7 @@ class WriterPool:
         # Release and send without an await between them: messages leave in the order
         # of releases, so the last one reports what is left in flight (0 when idle).
         in_flight, peak = self.budget.release(nbytes)
+        self._trimmer.released(nbytes, in_flight)
         completion = Completion(
             key=key,
             stored=stored,

@@ -73,9 +73,6 @@ class HsxConnectorWorker:
             cpu_mamba.install()  # every rank: each runs its own Mamba layers
         if get_tensor_model_parallel_rank() != 0:
             return
-        from service.engine.allocator import fix_mmap_threshold
-
-        fix_mmap_threshold()  # freed objects leave RSS at once: see allocator.py
         config = self._config
         sender = CompletionSender(config.completion_address)
         sender.hello()  # start-up waits for it: proof that completions reach the API
