@@ -162,9 +162,11 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   per-thread arenas that keep freed memory resident. Measured while working on issue
   13 (full model, 2 rounds per length, worker only): 309 MiB peak growth and 121 MiB
   still resident after the rounds with glibc's defaults; 151 MiB and 1 MiB with the
-  threshold fixed at 1 MiB, which the worker now does for itself
-  (`service/engine/allocator.py`). The full bench's first run, before that fix, gave
-  502 MiB against a bound of 384 MiB.
+  threshold fixed at 1 MiB. The full bench's first run, before that fix, gave
+  502 MiB against a bound of 384 MiB. The fixed threshold also put the forward pass's
+  large activations on `mmap` (issue 31, `docs/profile.md`); the writer now trims the
+  heap instead (`malloc_trim` every quarter of the ceiling released, and when idle:
+  `service/engine/allocator.py`).
 """
 
 
