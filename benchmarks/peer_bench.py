@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import json
 import logging
@@ -78,8 +79,12 @@ FULL = Plan(
     stock_sets=("256x16@1", "256x64@8", "256x64@64", "2048x8@8"),
     rounds=2,
     stock_rounds=2,
-    suspect_sets=("256x64@8",),
+    # The suspect rows found the cause (docs/profile.md, issue 31) and cost about 9
+    # minutes a run; `SUSPECT_PLAN` runs them again.
+    suspect_sets=(),
 )
+#: The suspect rows' plan: FULL with one set of one difference at a time.
+SUSPECT_PLAN = dataclasses.replace(FULL, suspect_sets=("256x64@8",))
 QUICK = Plan(
     hidden=128,
     num_layers=4,
@@ -132,10 +137,11 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   take minutes per side per round on 2 cores, so the "64 in flight" set at 2048 holds
   16 prompts on the random model, all in flight at once, and the demo model has no
   such set (its 8-prompt set is all in flight already); the rows name the counts.
-  **suspect rows** (information; {FULL.suspect_sets[0]} on the random model, ABBA,
+  **suspect rows** (information, not in the default full run: `SUSPECT_PLAN`;
+  {SUSPECT_PLAN.suspect_sets[0]} on the random model, ABBA,
   {FULL.stock_rounds} rounds): one difference at a time between hsx's engine without
   extraction and a stock engine: a stock engine whose worker fixes glibc's mmap
-  threshold at 1 MiB exactly as hsx's does (`service/engine/allocator.py`, applied
+  threshold at 1 MiB exactly as hsx's worker did until issue 31 (applied
   through a one-method worker extension in `benchmarks/peer_side.py`); a stock
   engine with the `extract_hidden_states` method and no connector; and hsx's engine
   against that one (what is left: hsx's connector, its worker extension, the
