@@ -58,7 +58,8 @@ def test_with_the_fixed_threshold_every_object_sized_block_is_mmapped() -> None:
 
 # In a thread (its own arena, like the writer's): after one large free has raised
 # glibc's threshold, 64 blocks of 2 MiB are written and freed; prints the RSS growth
-# that stayed (small live blocks keep the heap from shrinking by itself), then the growth left after the Trimmer's call, in MiB.
+# that stayed (small live blocks keep the heap from shrinking by itself), then the
+# growth left after the Trimmer's call, in MiB.
 TRIM_PROBE = """
 import ctypes, threading
 from service.engine.allocator import Trimmer, _glibc

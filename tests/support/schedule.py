@@ -22,6 +22,9 @@ HEAVY_FIRST = (
     "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 260
     "tests/dataset/test_dataset_e2e.py",  # 175 (300 with verify --parity)
     "tests/dataset/test_parity.py",  # 130
+    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[peer_bench]",  # 200
+    "tests/engine/test_parallel.py",  # 180 (three engines, one after the other)
+    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[parallel_bench]",  # 180
     "tests/e2e/test_serve.py",  # 105
     "tests/api/",  # 100
     "tests/e2e/test_speculators.py",  # 80
