@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, table_line, timed
+from benchmarks.common import Row, Timer, print_rows
 from benchmarks.engine_sides import (
     WARM_PROMPTS,
     Medians,
@@ -361,18 +361,13 @@ def _rss_row(plan: Plan, growth: int) -> Row:
 
 def main() -> None:
     """``python -m benchmarks.engine_bench [--quick]``: print the rows."""
-    import tempfile
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few prompts")
     quick = parser.parse_args().quick
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    with tempfile.TemporaryDirectory(prefix="hsx-engine-bench-") as tmp:
-        rows = asyncio.run(run(Path(tmp), timed, quick=quick))
-    for row in rows:
-        print(table_line(row))
+    print_rows(run, quick, "hsx-engine-bench-")
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

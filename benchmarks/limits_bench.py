@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import Row, Timer, fresh_prompts, table_line, timed
+from benchmarks.common import Row, Timer, fresh_prompts, print_rows
 from benchmarks.engine_sides import Prompts, Side, extraction_side, hf_side, plain_side, rounds
 from benchmarks.hf_pipeline import HfPipeline, LocalSink
 from benchmarks.machine_limits import (
@@ -717,15 +717,10 @@ def _load_rows(load: OtherLoad) -> list[Row]:
 
 def main() -> None:
     """``python -m benchmarks.limits_bench [--quick]``: print the rows."""
-    import tempfile
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, two lengths")
     quick = parser.parse_args().quick
-    with tempfile.TemporaryDirectory(prefix="hsx-limits-bench-") as tmp:
-        rows = asyncio.run(run(Path(tmp), timed, quick=quick))
-    for row in rows:
-        print(table_line(row))
+    print_rows(run, quick, "hsx-limits-bench-")
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

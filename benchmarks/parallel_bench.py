@@ -146,13 +146,9 @@ def main() -> None:
         found = asyncio.run(measure(args.layout, size, Path(args.scratch)))
         print(json.dumps(found), flush=True)
         return
-    import tempfile
+    from benchmarks.common import print_rows
 
-    from benchmarks.common import table_line, timed
-
-    with tempfile.TemporaryDirectory(prefix="hsx-parallel-") as scratch:
-        for row in asyncio.run(run(Path(scratch), timed, quick=args.quick)):
-            print(table_line(row))
+    print_rows(run, args.quick, "hsx-parallel-")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, table_line, timed
+from benchmarks.common import Row, Timer, print_rows
 from benchmarks.peer_side import PromptSet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -415,16 +415,11 @@ def bound_threads(bind: str) -> int:
 
 def main() -> None:
     """``python -m benchmarks.peer_bench [--quick]``: print the rows and the notes."""
-    import tempfile
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one round")
     quick = parser.parse_args().quick
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    with tempfile.TemporaryDirectory(prefix="hsx-peer-bench-") as tmp:
-        rows = asyncio.run(run(Path(tmp), timed, quick=quick))
-    for row in rows:
-        print(table_line(row))
+    print_rows(run, quick, "hsx-peer-bench-")
     print(NOTES)
 
 
