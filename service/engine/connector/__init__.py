@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from service.engine.connector.common import HsxConnectorMetadata, find_hidden_state_group
+from service.engine.lifeline import exit_with_parent, exit_without_a_heap_scan, shut_down_cleanly
 from service.engine.wire import ConnectorConfig
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         group = find_hidden_state_group(kv_cache_config)
         self._scheduler: HsxConnectorScheduler | None = None
         self._worker: HsxConnectorWorker | None = None
+        exit_without_a_heap_scan()
         if role == KVConnectorRole.SCHEDULER:
             from service.engine.connector.scheduler import HsxConnectorScheduler
 
@@ -87,8 +89,6 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             )
             # The scheduler half lives in the EngineCore: the one process vLLM leaves
             # running when the server is killed outright.
-            from service.engine.lifeline import exit_with_parent
-
             exit_with_parent()
         else:
             from service.engine.connector.worker import HsxConnectorWorker
@@ -168,5 +168,6 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_finished(saves), None
 
     def shutdown(self) -> None:
+        shut_down_cleanly()  # vLLM's shutdown reached us: the exit may skip the heap scan
         if self._worker is not None:
             self._worker.shutdown()
