@@ -30,6 +30,14 @@ from benchmarks.common import (
 from service.config import Settings
 from service.engine.builder import served_model_name
 
+#: The start of every row this bench writes (``benchmarks.run --only`` replaces them).
+ROW_PREFIXES = (
+    "HTTP vs in-process",
+    "/v1/completions vs /extract",
+    "one short prompt over HTTP",
+    "HTTP stack alone",
+)
+
 NOTES = """- **Prompts in the engine benches**: every timed batch is a fresh set of random
   prompts (the same lengths each time, new tokens). vLLM caches prefixes, so a prompt
   sent before costs almost nothing: a bench that repeats its prompts measures overheads

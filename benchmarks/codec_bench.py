@@ -22,6 +22,9 @@ from benchmarks.common import Row, Timer, table_line, timed
 from service import codecs
 from service.config import Settings
 
+#: The start of every row this bench writes (``benchmarks.run --only`` replaces them).
+ROW_PREFIXES = ("fp8 vs raw", "bf16 vs raw", "lossless vs raw")
+
 NOTES = """- **codecs, bytes per token**: the mean stored object size per prompt token (header
   included) for 32 prompts of 32-256 tokens on a random-weight Llama (hidden 512, 4
   layers, layer ids [1, 2, 4]) served in bfloat16 (targets: `lossless` at most 0.72x

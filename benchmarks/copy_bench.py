@@ -20,6 +20,9 @@ import torch
 
 from benchmarks.common import Row, Timer, ms, table_line, timed
 
+#: The start of every row this bench writes (``benchmarks.run --only`` replaces them).
+ROW_PREFIXES = ("pinned pool", "64 MiB of states into a pooled buffer", "copy-out (CUDA)")
+
 NOTES = """- **copy-out (CUDA)**: the states of one request, T tokens x 4 layers x hidden 4096
   in bfloat16 (256 tokens: 8 MiB; 2048: 64 MiB), in a hidden-state cache of 16-token
   blocks scattered over twice the blocks needed. *Ours* is the worker's own path

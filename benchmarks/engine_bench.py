@@ -89,6 +89,9 @@ FULL = Plan(1024, 8, (2, 4, 5, 8), ((256, 64), (2048, 8)), 3, 128, 2.0)
 QUICK = Plan(128, 4, (1, 2, 4), ((64, 4), (256, 2)), 1, 16, 1.0)
 
 _QUICK_ROUNDS = f"{QUICK.rounds} round{'s' if QUICK.rounds > 1 else ''}"
+#: The start of every row this bench writes (``benchmarks.run --only`` replaces them).
+ROW_PREFIXES = ("extraction vs ", "peak RSS growth")
+
 NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-weight
   Llama of hidden size {FULL.hidden}, {FULL.layers} layers (intermediate 3072, 16 heads,
   8 KV heads: about 100M parameters; `service/engine/tiny_models.py`), float32, layer

@@ -112,6 +112,8 @@ def _run_only(names: list[str], quick: bool) -> None:
     import importlib
 
     modules = [importlib.import_module(f"benchmarks.{name}") for name in names]
+    # Every row a bench writes starts with one of its prefixes: known before it runs.
+    prefixes = tuple(p for module in modules for p in module.ROW_PREFIXES)
     rows: list[Row] = []
     with (
         tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
@@ -119,7 +121,6 @@ def _run_only(names: list[str], quick: bool) -> None:
     ):
         for module in modules:
             rows += runner.run(module.run(Path(scratch), timed, quick=quick))
-    prefixes = tuple(p for module in modules for p in module.ROW_PREFIXES)
     old = DOC.read_text().split("\n\n## ", 1)[0].splitlines() if DOC.exists() else []
     kept = [
         line

@@ -13,6 +13,9 @@ from service.storage.keys import new_object_key
 
 MIB = 1024 * 1024
 
+#: The start of every row this bench writes (``benchmarks.run --only`` replaces them).
+ROW_PREFIXES = ("local publish", "S3 multipart")
+
 NOTES = """## What each row measures
 
 - **local publish vs plain write**: `LocalStorage.put` of a 64 MiB object (temp file,

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from benchmarks.common import Row, Timer
 
+#: The start of every row this bench writes (``benchmarks.run --only`` replaces them).
+ROW_PREFIXES = ("state validation vs serialisation",)
+
 NOTES = """- **state validation vs serialisation**: `check_states` (every value finite, no layer
   all zeros: a max and a min per layer) on a float32 [8192, 4, 1024] tensor (128 MiB:
   an 8k-token prompt, 4 layers) against `safetensors` serialisation of the same tensor,

@@ -35,6 +35,7 @@ async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None)
         for other in others
     ]
     assert [row.name for row in rows[:-1]] == names
+    assert all(row.name.startswith(engine_bench.ROW_PREFIXES) for row in rows), rows
     for row in rows[:-1]:
         assert math.isfinite(row.ratio), row
         assert row.ratio > 0, row
@@ -82,7 +83,7 @@ async def test_quick_bench_gives_well_formed_rows(
         assert math.isfinite(row.ratio), row
         assert row.ratio >= 0, row
         # `--only` replaces a bench's rows by these prefixes: every row must carry one.
-        assert row.name.startswith(getattr(bench, "ROW_PREFIXES", ("",))), row
+        assert row.name.startswith(bench.ROW_PREFIXES), row
 
 
 async def test_storage_and_validation_benches_give_well_formed_rows(
@@ -92,6 +93,8 @@ async def test_storage_and_validation_benches_give_well_formed_rows(
 
     rows = await storage_bench.run(tmp_path, timed) + await validation_bench.run(tmp_path, timed)
     assert len(rows) == 3
+    prefixes = storage_bench.ROW_PREFIXES + validation_bench.ROW_PREFIXES
+    assert all(row.name.startswith(prefixes) for row in rows), rows
     for row in rows:
         assert math.isfinite(row.ratio), row
         assert row.ratio > 0, row
