@@ -240,17 +240,51 @@ def _own_seconds() -> float:
     return total
 
 
-async def timed_set(side: Side, prompt_set: PromptSet, seed: int) -> tuple[float, float, float]:
-    """Wall seconds of one set, the CPU seconds this process and its engine spent on it,
-    and the share of the machine's CPU time that other processes used meanwhile (the
-    bench's measurements need it near 0)."""
+def thread_seconds() -> dict[str, float]:
+    """CPU seconds so far of every thread of this process and its descendants, summed by
+    ``process name/thread name`` (``VLLM::Worker/python``, ``VLLM::EngineCore/hsx-writer``):
+    where a side's CPU goes, for ``docs/profile.md``."""
+    import psutil
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error, OSError):
+            for thread in process.threads():
+                task = Path(f"/proc/{process.pid}/task/{thread.id}")
+                with contextlib.suppress(OSError):
+                    name = (task / "comm").read_text().strip()
+                    # utime and stime: fields 14 and 15 of stat, after the ")" of comm
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    key = f"{process.name()}/{name}"
+                    found[key] = found.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return found
+
+
+@dataclass
+class SetResult:
+    """What one timed set gave (``timed_set``)."""
+
+    seconds: float
+    cpu: float  # this process and its engine
+    foreign: float  # share of the machine's CPU other processes used meanwhile
+    threads: dict[str, float]  # CPU seconds by process/thread name (``thread_seconds``)
+
+
+async def timed_set(side: Side, prompt_set: PromptSet, seed: int) -> SetResult:
+    """Wall seconds of one set, the CPU seconds this process and its engine spent on it
+    (also by thread), and the share of the machine's CPU time that other processes used
+    meanwhile (the bench's measurements need it near 0)."""
     prompts = prompts_for(prompt_set, seed)
     run = functools.partial(in_flight, side, prompts, prompt_set.in_flight)
-    busy, own = _busy_seconds(), _own_seconds()
+    busy, own, threads = _busy_seconds(), _own_seconds(), thread_seconds()
     seconds = (await timed(run, 1))[0]
     own = _own_seconds() - own
+    after = thread_seconds()
+    by_thread = {k: round(v - threads.get(k, 0.0), 3) for k, v in after.items()}
     foreign = (_busy_seconds() - busy) - own
-    return seconds, own, max(foreign, 0.0) / (seconds * (os.cpu_count() or 1))
+    share = max(foreign, 0.0) / (seconds * (os.cpu_count() or 1))
+    return SetResult(seconds, own, share, {k: v for k, v in by_thread.items() if v > 0})
 
 
 async def one_round(args: argparse.Namespace) -> dict[str, Any]:
@@ -263,16 +297,16 @@ async def one_round(args: argparse.Namespace) -> dict[str, Any]:
             await side.run(prompts_for(PromptSet(length, WARM_PROMPTS, 1), -1))
             await side.clear()
         bound = thread_cpus()
-        seconds, cpu, foreign = {}, {}, {}
+        results = {}
         for prompt_set in sets:
-            name = prompt_set.name
-            seconds[name], cpu[name], foreign[name] = await timed_set(side, prompt_set, args.seed)
+            results[prompt_set.name] = await timed_set(side, prompt_set, args.seed)
             await side.clear()
     return {
         "side": args.side,
-        "seconds": seconds,
-        "cpu_seconds": cpu,
-        "foreign_cpu": foreign,
+        "seconds": {name: r.seconds for name, r in results.items()},
+        "cpu_seconds": {name: r.cpu for name, r in results.items()},
+        "foreign_cpu": {name: r.foreign for name, r in results.items()},
+        "thread_seconds": {name: r.threads for name, r in results.items()},
         "start_s": start_s,
         "thread_cpus": bound,
     }
