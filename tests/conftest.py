@@ -88,6 +88,13 @@ def demo_model() -> Path:
     return demo.prepare(DEMO_MODEL)
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The controller's scheduler: a whole group to one worker (``schedule.py``)."""
+    from tests.support.schedule import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from tests.support.schedule import assign_groups
 

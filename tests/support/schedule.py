@@ -5,13 +5,17 @@ vLLM and torch in a fresh process, one after the other, on one core. Two workers
 both cores busy. Tests that share an engine (a module's fixture, ``tests/api``'s
 package fixture, the security server) must stay on one worker, so every test gets an
 ``xdist_group``: its module by default, a whole package where a fixture spans it, the
-test alone where a module's tests share nothing costly. Heavy groups go first, so the
+test alone where a module's tests share nothing costly; ``GroupScheduling`` hands each
+group whole to one worker. Heavy groups go first, so the
 last minutes are not one long group on one worker while the other idles.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 #: Path prefixes that form one group (their tests share a fixture wider than a module).
 PACKAGE_GROUPS = ("tests/api/", "tests/e2e/security/")
@@ -50,6 +54,25 @@ def _rank(item: pytest.Item) -> int:
         if group == heavy or group.startswith(heavy):
             return rank
     return len(HEAVY_FIRST)
+
+
+class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+    """pytest-xdist's scope scheduler with our groups as its scopes: every test of a
+    group goes to one worker, groups in collection order (``--no-loadscope-reorder``).
+
+    ``--dist loadgroup`` alone does not group under pytest 9: pytest-xdist 3.8 marks a
+    test's group by appending it to ``item._nodeid``, which pytest 9 no longer reads
+    (``Node.nodeid`` comes from ``_id``), so every test was a group of its own and a
+    module's engine fixture started again on each worker its tests reached.
+    """
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(nodeid)
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> GroupScheduling:
+    """The controller's scheduler (``pytest_xdist_make_scheduler``)."""
+    return GroupScheduling(config, log)
 
 
 def assign_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
