@@ -57,6 +57,9 @@ NOTES = """- **Prompts in the engine benches**: every timed batch is a fresh set
   read 0.84-0.95); with a forward pass that does some work they are a few hundredths.
   The CPU seconds per round are named as for `/v1` below; the server's share is
   0.01 s more over HTTP, for 4 requests.
+  Repeatability (issue 31): two runs of `python -m benchmarks.run --only api_bench`
+  on 2026-11-25, one after the other on a quiet machine, gave 0.98 and 0.96 for the
+  target row (the table shows the second).
 - **one short prompt, added latency**: a 4-token prompt, one at a time, in 8 blocks of
   10 each way (ABBA order, after a warm-up); the columns are the medians of all 80. What
   HTTP adds is the median over the 8 block pairs of (HTTP block median - in-process
