@@ -242,22 +242,20 @@ def _own_seconds() -> float:
 
 def thread_seconds() -> dict[str, float]:
     """CPU seconds so far of every thread of this process and its descendants, summed by
-    ``process name/thread name`` (``VLLM::Worker/python``, ``VLLM::EngineCore/hsx-writer``):
-    where a side's CPU goes, for ``docs/profile.md``."""
+    ``process name/thread name`` as the kernel has them (``VLLM::Worker/gloo_tcp_loop``;
+    threads Python started keep their process's name): where a side's CPU goes, for
+    ``docs/profile.md``."""
     import psutil
 
-    ticks = os.sysconf("SC_CLK_TCK")
     found: dict[str, float] = {}
     for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         with contextlib.suppress(psutil.Error, OSError):
+            prefix = process.name()
             for thread in process.threads():
-                task = Path(f"/proc/{process.pid}/task/{thread.id}")
-                with contextlib.suppress(OSError):
-                    name = (task / "comm").read_text().strip()
-                    # utime and stime: fields 14 and 15 of stat, after the ")" of comm
-                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                    key = f"{process.name()}/{name}"
-                    found[key] = found.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+                with contextlib.suppress(OSError):  # a thread gone since the listing
+                    name = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text()
+                    key = f"{prefix}/{name.strip()}"
+                    found[key] = found.get(key, 0.0) + thread.user_time + thread.system_time
     return found
 
 

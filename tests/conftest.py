@@ -90,15 +90,15 @@ def demo_model() -> Path:
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """The controller's scheduler: a whole group to one worker (``schedule.py``)."""
-    from tests.support.schedule import make_scheduler
+    from tests.support.schedule import GroupScheduling
 
-    return make_scheduler(config, log)
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from tests.support.schedule import assign_groups
+    from tests.support.schedule import heavy_first
 
-    assign_groups(config, items)
+    heavy_first(config, items)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

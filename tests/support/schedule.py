@@ -3,16 +3,14 @@
 Most of the suite's time is vLLM starting: the engine core and its worker each import
 vLLM and torch in a fresh process, one after the other, on one core. Two workers keep
 both cores busy. Tests that share an engine (a module's fixture, ``tests/api``'s
-package fixture, the security server) must stay on one worker, so every test gets an
-``xdist_group``: its module by default, a whole package where a fixture spans it, the
-test alone where a module's tests share nothing costly; ``GroupScheduling`` hands each
-group whole to one worker. Heavy groups go first, so the
-last minutes are not one long group on one worker while the other idles.
+package fixture, the security server) must stay on one worker, so every test has a
+group (``group_of``): its module by default, a whole package where a fixture spans it,
+the test alone where a module's tests share nothing costly; ``GroupScheduling`` hands
+each group whole to one worker. Heavy groups go first, so the last minutes are not one
+long group on one worker while the other idles.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 from xdist.scheduler import LoadScopeScheduling
@@ -38,7 +36,7 @@ HEAVY_FIRST = (
 
 
 def group_of(nodeid: str) -> str:
-    """The ``xdist_group`` name of the test ``nodeid``."""
+    """The group of the test ``nodeid`` (``GroupScheduling``'s scope for it)."""
     path = nodeid.split("::", 1)[0]
     for prefix in PACKAGE_GROUPS:
         if path.startswith(prefix):
@@ -70,16 +68,10 @@ class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
         return group_of(nodeid)
 
 
-def make_scheduler(config: pytest.Config, log: Any) -> GroupScheduling:
-    """The controller's scheduler (``pytest_xdist_make_scheduler``)."""
-    return GroupScheduling(config, log)
-
-
-def assign_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each item with its group; under xdist, put the heavy groups first (a stable
-    sort, so the order inside a group, which some modules rely on, is kept)."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
+def heavy_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, put the heavy groups first: the workers' collection order is the
+    order ``GroupScheduling`` hands groups out in (a stable sort, so the order inside a
+    group, which some modules rely on, is kept)."""
     if hasattr(config, "workerinput"):
         items.sort(key=_rank)
 
