@@ -141,6 +141,12 @@ class EngineSettings(BaseModel):
         description="Engines one server runs side by side (vLLM's data parallelism), each "
         "with its own KV cache and writer; requests are balanced between them.",
     )
+    preload_engine_processes: bool = Field(
+        True,
+        description="On CPU, start vLLM's engine processes from a fork server that has "
+        "imported vLLM once instead of spawning each (which imports it again, 7-9 s of a "
+        "core per process); see service/engine/prestart.py. No effect where vLLM forks.",
+    )
     completion_address: str = Field(
         "",
         description="Where the writing rank (tensor-parallel rank 0) tells the API that an "

@@ -147,7 +147,9 @@ def _serve(settings: Settings) -> int:
     finally:
         sock.close()
     if failures:
-        raise startup.from_engine(failures[0], _read(server_settings.debug_log), _on_cpu())
+        from service.engine.builder import on_cpu
+
+        raise startup.from_engine(failures[0], _read(server_settings.debug_log), on_cpu())
     if not server.started:
         raise StartupError(None, "the server did not start", "see the debug log", 1)
     return 0
@@ -201,12 +203,6 @@ def _read(path: Path) -> str:
         return path.read_text(errors="replace")
     except OSError:
         return ""
-
-
-def _on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def _already_drained(signum: int, frame: FrameType | None) -> None:

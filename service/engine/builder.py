@@ -148,14 +148,14 @@ def engine_args(
 
     engine = settings.engine
     check_pipeline_parallel(engine)  # no path reaches vLLM with more than one stage
-    on_cpu = _on_cpu()
-    if on_cpu and engine.dtype in ("bfloat16", "float16"):
+    cpu = on_cpu()
+    if cpu and engine.dtype in ("bfloat16", "float16"):
         # Spawned CPU workers died with SIGILL in bf16 (docs/cpu.md); fork works.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     prefix_caching = engine.enable_prefix_caching
     if prefix_caching is None:
         # Hybrid prefix caching takes a Mamba "align" path through Triton: GPU only.
-        prefix_caching = not (info.hybrid and on_cpu)
+        prefix_caching = not (info.hybrid and cpu)
     connector = ConnectorConfig(
         model_name=info.name,
         completion_address=completion_address,
@@ -187,7 +187,7 @@ def engine_args(
         **{
             "worker_extension_cls": WORKER_EXTENSION,
             **pipeline_args(engine),
-            **memory_args(engine, on_cpu),
+            **memory_args(engine, cpu),
             **engine.extra_args,
         },
     )
@@ -198,7 +198,7 @@ def bind_cpu_workers(ranks: int) -> None:
     which the engine's processes inherit) unless the user chose a binding: vLLM's
     default binds one rank per NUMA node and refuses more ranks than nodes. Called
     where an engine starts (``Extractor.start``), not where its arguments are built."""
-    if ranks <= 1 or BIND_VARIABLE in os.environ or not _on_cpu():
+    if ranks <= 1 or BIND_VARIABLE in os.environ or not on_cpu():
         return
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     try:
@@ -237,7 +237,7 @@ def memory_args(engine: EngineSettings, on_cpu: bool) -> dict[str, Any]:
 WORKER_EXTENSION = "service.engine.introspect.HsxWorkerExtension"
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
     import torch
 
     return not torch.cuda.is_available()

@@ -23,6 +23,7 @@ from service.engine.builder import (
     Prepared,
     bind_cpu_workers,
     engine_args,
+    on_cpu,
     prepare,
     served_model_name,
 )
@@ -36,6 +37,7 @@ from service.engine.errors import (
     InvalidStatesError,
 )
 from service.engine.front_end import VllmFrontEnd
+from service.engine.prestart import use_preloaded_processes
 from service.engine.provenance import Provenance
 from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
 from service.metrics import ExtractorMetrics
@@ -138,6 +140,8 @@ class Extractor:
         if prepared is None:
             prepared = prepare(settings, storage_factory)
         bind_cpu_workers(settings.engine.tensor_parallel_size * settings.engine.data_parallel_size)
+        if settings.engine.preload_engine_processes and on_cpu():
+            use_preloaded_processes()
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
         provenance = prepared.provenance
         log.info("hsx: provenance %s", provenance.fields())

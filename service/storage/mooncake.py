@@ -66,6 +66,10 @@ BUFFER_TOO_SMALL = -600  # the client's transfer buffer cannot hold it
 RPC_FAIL = -900  # the master did not answer
 #: How long the store's usage (read from the master's metrics) is reused.
 USAGE_TTL_S = 1.0
+#: How long one read of the master's metrics may take. A loaded master (or machine)
+#: answered in over 0.5 s, and the store's series then vanished from a scrape; the
+#: read runs in ``/metrics``'s rendering thread, so this bounds that scrape.
+USAGE_READ_TIMEOUT_S = 2.0
 #: How long joining the store waits for the master's port to answer.
 CONNECT_TIMEOUT_S = 5.0
 
@@ -352,7 +356,7 @@ _MASTER_METRICS = {
 
 def _read_usage(url: str) -> StoreUsage | None:
     try:
-        with urllib.request.urlopen(url, timeout=0.5) as response:  # noqa: S310 - a setting
+        with urllib.request.urlopen(url, timeout=USAGE_READ_TIMEOUT_S) as response:  # noqa: S310 - a setting
             text = response.read(1 << 20).decode("utf-8", "replace")
     except (OSError, ValueError) as exc:
         log.debug("mooncake: master metrics at %s unreadable: %s", url, exc)

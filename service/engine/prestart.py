@@ -1,0 +1,145 @@
+"""Start vLLM's engine processes from a fork server that has imported vLLM once (CPU).
+
+vLLM's CPU platform starts its EngineCore, and the EngineCore each worker, with
+``spawn`` (``vllm/platforms/cpu.py`` forces it), and a spawned process imports vLLM
+again before it does anything: 7-9 s of one core per process on this project's CI
+machine, two processes per engine. ``multiprocessing``'s ``forkserver`` start method
+keeps one server process that imports vLLM once (``PRELOAD``); each engine process is
+forked from it already imported and then starts exactly as a spawned one does: it
+unpickles its process object and runs it, with nothing of its parent's memory. The
+server never runs a forward pass, so no OpenMP pool exists to be broken by the fork.
+
+A spawned child takes three things from its parent at the moment it starts that a
+fork server's child would take from the server instead; ``PreloadedProcess`` carries
+them over:
+
+- the environment: vLLM and hsx set variables (the OpenMP binding, the data-parallel
+  rank's devices) just before they start a process;
+- standard output and error: a supervisor's or pytest's redirection may have changed
+  since the server started;
+- the server itself: Python 3.11 would start a new, empty fork server in a fork
+  server's child, so the EngineCore would start its worker the slow way again.
+
+Only where vLLM chose ``spawn``; a ``fork`` vLLM chose (GPU, CUDA not initialised) is
+left as it is. ``EngineSettings.preload_engine_processes`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from multiprocessing import forkserver, reduction, resource_tracker
+from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
+from typing import Any
+
+#: What the fork server imports once: everything an EngineCore and a CPU worker import
+#: when they unpickle their targets, and hsx's classes that vLLM loads into them.
+PRELOAD = (
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "service.engine.connector",
+    "service.engine.introspect",
+)
+
+#: vLLM's modules that took ``get_mp_context`` by name at import (vLLM 0.32), so each
+#: needs its own reference replaced.
+VLLM_STARTERS = (
+    "vllm.utils.system_utils",
+    "vllm.v1.engine.utils",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.engine.coordinator",
+)
+
+_STDIO = (1, 2)
+
+
+class PreloadedProcess(ForkServerProcess):
+    """A fork-server process that starts with its parent's environment and standard
+    output and error, as a spawned one would, and starts its own children from the
+    same server."""
+
+    _environ: dict[str, str]
+    _stdio: tuple[Any, ...]
+
+    def start(self) -> None:
+        self._environ = dict(os.environ)
+        super().start()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled only while the fork server's Popen sends this object: DupFd then
+        # hands the descriptors to the child with it.
+        state = self.__dict__.copy()
+        state["_stdio"] = tuple(reduction.DupFd(fd) for fd in _STDIO)
+        return state
+
+    def run(self) -> None:
+        _adopt_parent(self._environ, self._stdio)
+        super().run()
+
+
+class PreloadedContext(ForkServerContext):
+    """``multiprocessing``'s fork-server context, starting ``PreloadedProcess``es."""
+
+    Process = PreloadedProcess
+
+
+@functools.cache
+def preloaded_context() -> PreloadedContext:
+    """The one context of this process (the fork server is per process anyway)."""
+    context = PreloadedContext()
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
+def use_preloaded_processes() -> None:
+    """Make vLLM start the processes it would spawn from the preloaded fork server.
+    Idempotent; called where an engine starts and again in each process it starts."""
+    context = preloaded_context()
+    for name in VLLM_STARTERS:
+        module: Any = importlib.import_module(name)
+        original = module.get_mp_context
+        if not getattr(original, "hsx_preloaded", False):
+            module.get_mp_context = _instead_of_spawn(original, context)
+
+
+def _instead_of_spawn(original: Callable[[], BaseContext], context: BaseContext) -> Any:
+    @functools.wraps(original)
+    def get_mp_context() -> BaseContext:
+        chosen = original()  # vLLM's own choice, with its reasons and logs
+        return context if chosen.get_start_method() == "spawn" else chosen
+
+    get_mp_context.hsx_preloaded = True  # type: ignore[attr-defined]
+    return get_mp_context
+
+
+def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...]) -> None:
+    """In the child, before its target runs: the parent's environment and output, the
+    inherited fork server for any children, and vLLM's starts routed to it again."""
+    _ready_process_title()
+    os.environ.clear()
+    os.environ.update(environ)
+    for target, inherited in zip(_STDIO, stdio, strict=True):
+        fd = inherited.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+    server: Any = forkserver._forkserver
+    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:
+        # The server that forked this process is running (this process holds its
+        # liveness pipe); Python 3.11 only knows a server it launched itself.
+        server.ensure_running = resource_tracker.ensure_running
+    use_preloaded_processes()
+
+
+def _ready_process_title() -> None:
+    """Let ``setproctitle`` find this process's argv while ``environ`` still points
+    into the block after it: it locates argv from there, and once the environment is
+    replaced below it cannot, and vLLM's ``VLLM::EngineCore``/``VLLM::Worker`` titles
+    (which operators and ``benchmarks/limits_bench.py`` look for) silently stay unset."""
+    try:
+        import setproctitle
+    except ImportError:  # vLLM does without titles then, too
+        return
+    setproctitle.getproctitle()

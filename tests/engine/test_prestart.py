@@ -1,0 +1,96 @@
+"""Engine processes started from the preloaded fork server behave as spawned ones do.
+
+No engine: the real fork server (``service.engine.prestart``) and small targets that
+report what a vLLM process would rely on: the environment and output its parent had
+when it started it (not when the server started), vLLM's process title, and a second
+generation started from the same server.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing import get_context
+from pathlib import Path
+
+import psutil
+import pytest
+
+from service.engine.prestart import preloaded_context, use_preloaded_processes
+
+VARIABLE = "HSX_TEST_PRESTART"
+
+
+def report(path: str, generation: int) -> None:
+    """Write what this process sees to ``path``; the first generation starts a second."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"VLLM::Gen{generation}")
+    me = psutil.Process()
+    line = f"{generation} {os.environ.get(VARIABLE)} {me.name()} {me.ppid()}\n"
+    with open(path, "a") as out:
+        out.write(line)
+    print(f"stdout of generation {generation}", flush=True)
+    if generation == 1:
+        child = preloaded_context().Process(target=report, args=(path, 2))
+        child.start()
+        child.join(60)
+        sys.exit(child.exitcode)
+
+
+@pytest.fixture
+def server() -> int:
+    """The fork server's pid, running (it starts with the first process)."""
+    warm = preloaded_context().Process(target=int)
+    warm.start()
+    warm.join(120)
+    assert warm.exitcode == 0
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    assert pid is not None
+    return int(pid)
+
+
+def test_children_take_the_parents_environment_output_and_server(
+    tmp_path: Path, server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(VARIABLE, "set after the server started")
+    report_path, stdout_path = tmp_path / "report", tmp_path / "stdout"
+    saved = os.dup(1)
+    try:
+        with stdout_path.open("wb") as sink:
+            os.dup2(sink.fileno(), 1)  # as a supervisor's redirection would
+            child = preloaded_context().Process(target=report, args=(str(report_path), 1))
+            child.start()
+            child.join(120)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert child.exitcode == 0
+    lines = [line.split(" ", 1) for line in report_path.read_text().splitlines()]
+    assert [generation for generation, _ in lines] == ["1", "2"]
+    for generation, rest in lines:
+        value, title, parent = rest.rsplit(" ", 2)
+        assert value == "set after the server started"
+        assert title == f"VLLM::Gen{generation}"  # vLLM's titles are set, not lost
+        assert int(parent) == server  # both generations forked from the one server
+    assert stdout_path.read_text().splitlines() == [
+        "stdout of generation 1",
+        "stdout of generation 2",
+    ]
+
+
+def test_vllm_spawns_from_the_server_and_keeps_its_other_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.utils import system_utils
+    from vllm.v1.engine import utils as engine_utils
+
+    monkeypatch.setattr(system_utils, "get_mp_context", lambda: get_context("spawn"))
+    monkeypatch.setattr(engine_utils, "get_mp_context", lambda: get_context("fork"))
+    use_preloaded_processes()
+    use_preloaded_processes()  # idempotent: one wrapper, not two
+    assert system_utils.get_mp_context() is preloaded_context()
+    assert system_utils.get_mp_context.__wrapped__() is get_context("spawn")  # type: ignore[attr-defined]
+    assert engine_utils.get_mp_context() is get_context("fork")  # a fork stays a fork
