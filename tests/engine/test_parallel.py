@@ -102,7 +102,11 @@ async def test_a_flood_through_a_small_cache_leaves_it_empty(parallel: Any) -> N
     capacity = capacity_of((await parallel.on_workers("hsx_kv_layout"))[0])["tokens"]
     longest = parallel.max_model_len - 1
     assert capacity >= longest  # the setting holds one full sequence per rank
-    lengths = [(97 * i) % (longest - 10) + 10 for i in range(110)]
+    # Four times what the layout's caches hold, whatever that is: a fixed count (it was
+    # 110 prompts) flooded the smallest cache 20 times over, at 0.16 s a TP=2 step.
+    lengths: list[int] = []
+    while sum(lengths) <= 4 * capacity * parallel.test_layout[1]:
+        lengths.append((97 * len(lengths)) % (longest - 10) + 10)
     assert sum(lengths) > 3 * capacity * parallel.test_layout[1]
     prompts = random_prompts(lengths, seed=23)
     results = await asyncio.gather(
