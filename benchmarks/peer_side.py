@@ -178,12 +178,10 @@ async def open_side(args: argparse.Namespace) -> AsyncIterator[Side]:
         return
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from service.engine.builder import on_cpu
     from service.engine.extractor import _release_vllm_resources
     from service.engine.prestart import use_preloaded_processes
 
-    if on_cpu():  # its processes start as hsx's do (Extractor.start): from the fork server
-        use_preloaded_processes()
+    use_preloaded_processes()  # its processes start as hsx's do (Extractor.start)
     directory = args.work / "peer-files" if args.side == "peer" else None
     engine = AsyncLLM.from_engine_args(vllm_args(settings, directory, args.side))
     try:

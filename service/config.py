@@ -145,7 +145,8 @@ class EngineSettings(BaseModel):
         True,
         description="On CPU, start vLLM's engine processes from a fork server that has "
         "imported vLLM once instead of spawning each (which imports it again, 7-9 s of a "
-        "core per process); see service/engine/prestart.py. No effect where vLLM forks.",
+        "core per process); see service/engine/prestart.py. No effect where vLLM forks. Per "
+        "process: once one engine started this way, later ones in the process do too.",
     )
     completion_address: str = Field(
         "",

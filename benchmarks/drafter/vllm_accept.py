@@ -94,11 +94,9 @@ def _minus(
 def main() -> None:
     """CLI: MODEL QUESTIONS_JSON MAX_TOKENS ARM=CHECKPOINT...: one JSON line per arm."""
     model, questions_file, max_tokens = sys.argv[1:4]
-    from service.engine.builder import on_cpu
     from service.engine.prestart import use_preloaded_processes
 
-    if on_cpu():  # four engines: vLLM imported once for all of them, as hsx's are
-        use_preloaded_processes()
+    use_preloaded_processes()  # four engines: vLLM imported once for all, as hsx's are
     questions = json.loads(Path(questions_file).read_text())
     for spec in sys.argv[4:]:
         arm, checkpoint = spec.split("=", 1)

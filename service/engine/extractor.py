@@ -23,7 +23,6 @@ from service.engine.builder import (
     Prepared,
     bind_cpu_workers,
     engine_args,
-    on_cpu,
     prepare,
     served_model_name,
 )
@@ -140,7 +139,7 @@ class Extractor:
         if prepared is None:
             prepared = prepare(settings, storage_factory)
         bind_cpu_workers(settings.engine.tensor_parallel_size * settings.engine.data_parallel_size)
-        if settings.engine.preload_engine_processes and on_cpu():
+        if settings.engine.preload_engine_processes:
             use_preloaded_processes()
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
         provenance = prepared.provenance

@@ -95,8 +95,15 @@ def preloaded_context() -> PreloadedContext:
 
 
 def use_preloaded_processes() -> None:
-    """Make vLLM start the processes it would spawn from the preloaded fork server.
-    Idempotent; called where an engine starts and again in each process it starts."""
+    """On CPU, make vLLM start the processes it would spawn from the preloaded fork
+    server (for the rest of this process's life). Idempotent; called where an engine
+    starts and again in each process it starts. Nothing on a GPU host: there vLLM
+    spawns only once CUDA is initialised, and the server must not import vLLM's CUDA
+    side for nothing."""
+    from service.engine.builder import on_cpu
+
+    if not on_cpu():
+        return
     context = preloaded_context()
     for name in VLLM_STARTERS:
         module: Any = importlib.import_module(name)
