@@ -181,7 +181,9 @@ async def open_side(args: argparse.Namespace) -> AsyncIterator[Side]:
     from service.engine.extractor import _release_vllm_resources
     from service.engine.prestart import use_preloaded_processes
 
-    use_preloaded_processes()  # its processes start as hsx's do (Extractor.start)
+    # Its processes start as hsx's do (Extractor.start), but keep vLLM's spinning
+    # queue polls (poll interval 0): the stock and peer sides are vLLM as shipped.
+    use_preloaded_processes(0.0)
     directory = args.work / "peer-files" if args.side == "peer" else None
     engine = AsyncLLM.from_engine_args(vllm_args(settings, directory, args.side))
     try:

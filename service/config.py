@@ -148,6 +148,15 @@ class EngineSettings(BaseModel):
         "core per process); see service/engine/prestart.py. No effect where vLLM forks. Per "
         "process: once one engine started this way, later ones in the process do too.",
     )
+    cpu_poll_interval_us: int = Field(
+        500,
+        ge=0,
+        le=100_000,
+        description="On CPU, with preload_engine_processes: microseconds the engine "
+        "processes sleep between two polls of vLLM's shared-memory queues, where vLLM "
+        "spins with sched_yield for a second after every read and takes cores from the "
+        "forward pass (0: vLLM's spin). See service/engine/prestart.py and docs/cpu.md.",
+    )
     completion_address: str = Field(
         "",
         description="Where the writing rank (tensor-parallel rank 0) tells the API that an "

@@ -140,7 +140,7 @@ class Extractor:
             prepared = prepare(settings, storage_factory)
         bind_cpu_workers(settings.engine.tensor_parallel_size * settings.engine.data_parallel_size)
         if settings.engine.preload_engine_processes:
-            use_preloaded_processes()
+            use_preloaded_processes(settings.engine.cpu_poll_interval_us / 1e6)
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
         provenance = prepared.provenance
         log.info("hsx: provenance %s", provenance.fields())

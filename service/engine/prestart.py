@@ -22,6 +22,17 @@ them over:
 
 Only where vLLM chose ``spawn``; a ``fork`` vLLM chose (GPU, CUDA not initialised) is
 left as it is. ``EngineSettings.preload_engine_processes`` turns it off.
+
+The processes started this way can also poll vLLM's shared-memory queues without
+spinning (``poll_interval_s``, ``EngineSettings.cpu_poll_interval_us``): after each
+read, a reader of vLLM's ``MessageQueue`` (the worker waiting for the next step, the
+EngineCore waiting for its result) polls the queue's flag for one second, calling
+``sched_yield`` between polls. On a CPU host the waiting process is runnable all that
+time and takes its turn on the cores the forward pass needs (vLLM #28836: 100% CPU);
+a sleep of ``poll_interval_s`` between polls gives them back. The one-second window
+and its shared-memory flag stay as they are: only the pause between two looks changes,
+so no wake-up depends on vLLM's ZeroMQ notification, which its conflated, HWM-1 socket
+can drop (a window of zero, tried, stalled a run for a minute).
 """
 
 from __future__ import annotations
@@ -55,6 +66,10 @@ VLLM_STARTERS = (
 
 _STDIO = (1, 2)
 
+#: The pause between two polls of a vLLM queue in the processes started from here
+#: (0: vLLM's ``sched_yield``); set by the last ``use_preloaded_processes`` call.
+_poll_interval_s = 0.0
+
 
 class PreloadedProcess(ForkServerProcess):
     """A fork-server process that starts with its parent's environment and standard
@@ -63,9 +78,11 @@ class PreloadedProcess(ForkServerProcess):
 
     _environ: dict[str, str]
     _stdio: tuple[Any, ...]
+    _poll_interval_s: float
 
     def start(self) -> None:
         self._environ = dict(os.environ)
+        self._poll_interval_s = _poll_interval_s
         super().start()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -76,7 +93,7 @@ class PreloadedProcess(ForkServerProcess):
         return state
 
     def run(self) -> None:
-        _adopt_parent(self._environ, self._stdio)
+        _adopt_parent(self._environ, self._stdio, self._poll_interval_s)
         super().run()
 
 
@@ -94,16 +111,23 @@ def preloaded_context() -> PreloadedContext:
     return context
 
 
-def use_preloaded_processes() -> None:
+def use_preloaded_processes(poll_interval_s: float = 0.0) -> None:
     """On CPU, make vLLM start the processes it would spawn from the preloaded fork
     server (for the rest of this process's life). Idempotent; called where an engine
     starts and again in each process it starts. Nothing on a GPU host: there vLLM
     spawns only once CUDA is initialised, and the server must not import vLLM's CUDA
-    side for nothing."""
+    side for nothing.
+
+    ``poll_interval_s``: the pause between two polls of a vLLM queue in the processes
+    started from now on, and in theirs (0: vLLM's own ``sched_yield`` spin; see the
+    module's docstring). Each call sets it, so a stock engine started after an hsx one
+    in the same process spins as vLLM does."""
     from service.engine.builder import on_cpu
 
     if not on_cpu():
         return
+    global _poll_interval_s
+    _poll_interval_s = max(0.0, poll_interval_s)
     context = preloaded_context()
     for name in VLLM_STARTERS:
         module: Any = importlib.import_module(name)
@@ -122,9 +146,10 @@ def _instead_of_spawn(original: Callable[[], BaseContext], context: BaseContext)
     return get_mp_context
 
 
-def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...]) -> None:
+def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...], poll_interval_s: float) -> None:
     """In the child, before its target runs: the parent's environment and output, the
-    inherited fork server for any children, and vLLM's starts routed to it again."""
+    inherited fork server for any children, vLLM's starts routed to it again, and the
+    parent's poll interval (here and in this process's children)."""
     _ready_process_title()
     os.environ.clear()
     os.environ.update(environ)
@@ -137,7 +162,25 @@ def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...]) -> None:
         # The server that forked this process is running (this process holds its
         # liveness pipe); Python 3.11 only knows a server it launched itself.
         server.ensure_running = resource_tracker.ensure_running
-    use_preloaded_processes()
+    use_preloaded_processes(poll_interval_s)
+    if poll_interval_s > 0:
+        _pause_between_polls(poll_interval_s)
+
+
+def _pause_between_polls(seconds: float) -> None:
+    """Make this process's vLLM queues sleep ``seconds`` between two polls instead of
+    calling ``sched_yield``: ``shm_broadcast`` took vLLM's ``sched_yield`` by name, and
+    its readers (``SpinCondition.wait``) and writers (``acquire_write``, a full ring)
+    call nothing else while they wait."""
+    import time
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    def pause() -> None:
+        time.sleep(seconds)
+
+    pause.hsx_poll_interval_s = seconds  # type: ignore[attr-defined]
+    shm_broadcast.sched_yield = pause
 
 
 def _ready_process_title() -> None:

@@ -94,3 +94,52 @@ def test_vllm_spawns_from_the_server_and_keeps_its_other_choices(
     assert system_utils.get_mp_context() is preloaded_context()
     assert system_utils.get_mp_context.__wrapped__() is get_context("spawn")  # type: ignore[attr-defined]
     assert engine_utils.get_mp_context() is get_context("fork")  # a fork stays a fork
+
+
+def poll_report(path: str, generation: int) -> None:
+    """Write how 50 of vLLM's queue pauses behave here (wall and CPU seconds, and whether
+    the function is vLLM's own); the first generation starts a second."""
+    import time
+
+    from vllm.distributed import utils
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(50):
+        shm_broadcast.sched_yield()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    own = shm_broadcast.sched_yield is utils.sched_yield
+    with open(path, "a") as out:
+        out.write(f"{generation} {wall:.4f} {cpu:.4f} {own}\n")
+    if generation == 1:
+        child = preloaded_context().Process(target=poll_report, args=(path, 2))
+        child.start()
+        child.join(60)
+        sys.exit(child.exitcode)
+
+
+@pytest.mark.parametrize("interval_s", [0.002, 0.0])
+def test_engine_processes_sleep_between_polls_of_vllm_queues(
+    tmp_path: Path, server: int, interval_s: float
+) -> None:
+    """With an interval, both generations sleep it between polls (50 polls: at least
+    50 intervals of wall time, almost no CPU); with 0 they keep vLLM's sched_yield."""
+    report_path = tmp_path / "report"
+    use_preloaded_processes(interval_s)
+    try:
+        child = preloaded_context().Process(target=poll_report, args=(str(report_path), 1))
+        child.start()
+        child.join(120)
+    finally:
+        use_preloaded_processes()
+    assert child.exitcode == 0
+    lines = [line.split() for line in report_path.read_text().splitlines()]
+    assert [generation for generation, *_ in lines] == ["1", "2"]
+    for _, wall, cpu, own in lines:
+        if interval_s:
+            assert float(wall) >= 50 * interval_s
+            assert float(cpu) < 0.25 * float(wall)
+            assert own == "False"
+        else:
+            assert float(wall) < 50 * 0.002
+            assert own == "True"
