@@ -338,9 +338,11 @@ class MooncakeStorage(ThreadedStorage):
             return None
         with self._usage_lock:
             when, usage = self._usage
-            if time.monotonic() - when < USAGE_TTL_S:
+            if usage is not None and time.monotonic() - when < USAGE_TTL_S:
                 return usage
-            usage = _read_usage(url)
+            # A failed read is not kept: the next scrape reads again (once a reading
+            # that failed was reused for a second, and a test's scrape found no series).
+            usage = _read_usage(url) or _read_usage(url)
             self._usage = (time.monotonic(), usage)
             return usage
 
@@ -359,7 +361,7 @@ def _read_usage(url: str) -> StoreUsage | None:
         with urllib.request.urlopen(url, timeout=USAGE_READ_TIMEOUT_S) as response:  # noqa: S310 - a setting
             text = response.read(1 << 20).decode("utf-8", "replace")
     except (OSError, ValueError) as exc:
-        log.debug("mooncake: master metrics at %s unreadable: %s", url, exc)
+        log.warning("mooncake: master metrics at %s unreadable: %s", url, exc)
         return None
     found: dict[str, int] = {}
     for line in text.splitlines():
@@ -371,5 +373,9 @@ def _read_usage(url: str) -> StoreUsage | None:
             except ValueError:
                 continue
     if len(found) != len(_MASTER_METRICS):
+        missing = sorted(
+            set(_MASTER_METRICS) - {k for k, v in _MASTER_METRICS.items() if v in found}
+        )
+        log.warning("mooncake: master metrics at %s lack %s", url, ", ".join(missing))
         return None
     return StoreUsage(**found)

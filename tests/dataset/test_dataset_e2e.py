@@ -27,6 +27,7 @@ from tests.support.processes import free_port, hsx_env, wait_ready
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 KEY = "dataset-team-key-0123456789"
 NAMESPACE = "ds"
+ROWS = 600  # the kill-and-resume run's input rows
 
 
 @contextlib.contextmanager
@@ -136,7 +137,9 @@ def namespace_keys(s3: Any, bucket: str) -> list[str]:
 def test_two_replicas_one_killed_client_killed_resumes_and_verifies(
     cluster: dict[str, Any], tmp_path: Path
 ) -> None:
-    data = make(2000, seed=7)
+    # 600 rows: a malformed one every 100 (6, every kind in synth.MALFORMED), a long one
+    # every 40; the replica dies after 90 manifest rows, the client after 270.
+    data = make(ROWS, seed=7, malformed_every=100)
     source = data.write_jsonl(tmp_path / "chats.jsonl")
     output = f"s3://{cluster['bucket']}/runs/chats"
     store = RunStore(output, S3StorageSettings(endpoint_url=cluster["s3_endpoint"]))
@@ -149,23 +152,23 @@ def test_two_replicas_one_killed_client_killed_resumes_and_verifies(
     log = (tmp_path / "run1.log").open("wb")
     first = subprocess.Popen(command, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_rows(store, 300, first, limit_s=400)
+        wait_rows(store, ROWS * 15 // 100, first, limit_s=400)
         kill_group(cluster["proc_b"])  # a replica dies mid-run, engine and all
-        wait_rows(store, 900, first, limit_s=400)
+        wait_rows(store, ROWS * 45 // 100, first, limit_s=400)
         first.kill()  # and so does the client
         first.wait(30)
     finally:
         if first.poll() is None:
             first.kill()
     before = manifest_rows(store)
-    assert 900 <= before < 2000
+    assert ROWS * 45 // 100 <= before < ROWS
 
     second = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "cannot connect" in second.stderr  # the dead replica was left out
     summary = json.loads(asyncio.run(store.read("summary.json")) or b"{}")
-    assert summary["input_rows"] == 2000
-    assert summary["ok"] + summary["failed"] + summary["skipped"] == 2000
+    assert summary["input_rows"] == ROWS
+    assert summary["ok"] + summary["failed"] + summary["skipped"] == ROWS
     assert summary["ok"] == len(data.valid)
     assert summary["skipped"] == len(data.long)
     assert summary["failed"] == len(data.malformed)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from service.demo_model import DEMO_DIR
+from tests.support.processes import SUITE_ONLY
 from tests.support.processes import wait_ready as support_wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,12 +143,17 @@ def fresh_clone(tmp: Path) -> Path:
 
 
 def clean_environment(clone: Path) -> dict[str, str]:
-    """This environment without hsx's and vLLM's variables.
+    """This environment without hsx's and vLLM's variables, and without those
+    ``make test`` sets for the suite alone (``SUITE_ONLY``).
 
     PYTHONPATH: the venv's editable install points at the checkout that built it; a
     fresh install in the clone would run the clone's code, so the clone goes first.
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSX_", "VLLM_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HSX_", "VLLM_")) and k not in SUITE_ONLY
+    }
     return {**env, "PYTHONPATH": str(clone)}
 
 

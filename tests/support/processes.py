@@ -76,6 +76,10 @@ def hsx_env(env: Mapping[str, str]) -> dict[str, str]:
     return {**clean, **env}
 
 
+#: Variables ``make test`` sets for the suite's processes alone (the Makefile's
+#: ``SUITE_ENV``): a README command under test runs without them, as a user's would.
+SUITE_ONLY = ("OMP_WAIT_POLICY",)
+
 #: The command users run, as this interpreter runs it.
 SERVE = [sys.executable, "-m", "service", "serve"]
 

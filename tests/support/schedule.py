@@ -21,17 +21,17 @@ PACKAGE_GROUPS = ("tests/api/", "tests/e2e/security/")
 PER_TEST = ("tests/e2e/test_bench_smoke.py",)
 #: Groups sent first, longest first (seconds of one run on 2 cores, rounded).
 HEAVY_FIRST = (
-    "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 260
-    "tests/dataset/test_dataset_e2e.py",  # 175 (300 with verify --parity)
-    "tests/dataset/test_parity.py",  # 130
-    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[peer_bench]",  # 200
-    "tests/engine/test_parallel.py",  # 180 (three engines, one after the other)
-    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[parallel_bench]",  # 180
-    "tests/e2e/test_serve.py",  # 105
-    "tests/api/",  # 100
-    "tests/e2e/test_speculators.py",  # 80
-    "tests/e2e/test_readme.py",  # 70
-    "tests/e2e/test_bench_smoke.py::test_quick_engine_bench_gives_every_row",  # 65
+    "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 220
+    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[peer_bench]",  # 120
+    "tests/dataset/test_dataset_e2e.py",  # 110
+    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[parallel_bench]",  # 90
+    "tests/e2e/test_serve.py",  # 90
+    "tests/dataset/test_parity.py",  # 75
+    "tests/engine/test_parallel.py",  # 70 (three engines, one after the other)
+    "tests/api/",  # 70
+    "tests/e2e/test_readme.py",  # 60
+    "tests/e2e/test_speculators.py",  # 60
+    "tests/e2e/test_bench_smoke.py::test_quick_engine_bench_gives_every_row",  # 15
 )
 
 
