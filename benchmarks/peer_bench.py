@@ -112,7 +112,11 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   requests (`max_tokens=1`, no hsx parameters: nothing is saved). Every side's
   arguments are hsx's own (`service.engine.builder.engine_args`) minus what the side
   lacks: float32, `enforce_eager` on every side, prefix caching off,
-  `max_num_batched_tokens` 2048, `max_model_len` 2064, a 2 GiB KV cache.
+  `max_num_batched_tokens` 2048, `max_model_len` 2064, a 2 GiB KV cache. Every side's
+  engine processes start from the same preloaded fork server
+  (`service/engine/prestart.py`); hsx's sides (*hsx*, *hsx-plain*) sleep 500 µs
+  between polls of vLLM's shared-memory queues (`engine.cpu_poll_interval_us`, its
+  default), the stock and peer sides keep vLLM's `sched_yield` spin, as shipped.
 - **method**: each measurement is a process of its own (`python -m
   benchmarks.peer_side`), which starts one engine, sends two untimed prompts of each
   length, times each prompt set once and shuts the engine down; only one engine is

@@ -340,8 +340,8 @@ class MooncakeStorage(ThreadedStorage):
             when, usage = self._usage
             if usage is not None and time.monotonic() - when < USAGE_TTL_S:
                 return usage
-            # A failed read is not kept: the next scrape reads again (once a reading
-            # that failed was reused for a second, and a test's scrape found no series).
+            # A failed read is not reused: the next scrape reads again rather than
+            # showing no store series for a second.
             usage = _read_usage(url) or _read_usage(url)
             self._usage = (time.monotonic(), usage)
             return usage
