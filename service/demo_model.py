@@ -10,8 +10,9 @@ activations are a trained model's (outlier channels, per-layer scales).
 ``prepare`` is idempotent: a directory holding ``hsx-demo.json`` is complete (the
 conversion is written to a temporary directory and renamed into place), so a second
 call returns at once and a killed conversion leaves nothing half-made; callers that
-start together take turns on a lock file beside the directory, so one converts and the
-others find its result (two test workers used to convert it twice). The conversion
+start together take turns on a lock, so one converts and the
+others find its result (two test workers used to convert it twice); the lock is on the
+parent directory itself, so a failed conversion still leaves nothing behind. The conversion
 runs in a child process (``hsx demo-model``) when ``hsx serve`` needs it, so the server
 does not keep the converter's half a gigabyte resident.
 """
@@ -59,24 +60,25 @@ def prepare(directory: Path = DEMO_DIR, *, python: str = sys.executable) -> Path
     if is_prepared(directory):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    # One conversion at a time per directory: processes that start together (replicas,
-    # test workers) wait for the first instead of each downloading and converting.
-    with _exclusive(directory.parent / f".{directory.name}.lock"):
+    # One conversion at a time per parent directory: processes that start together
+    # (replicas, test workers) wait for the first instead of each converting.
+    with _exclusive(directory.parent):
         if is_prepared(directory):
             return directory
         return _prepare(directory, python)
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """An advisory lock on ``path`` (created if missing), held inside the block; the
-    kernel releases it if the holder dies."""
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _exclusive(folder: Path) -> Iterator[None]:
+    """An advisory lock on the directory ``folder`` itself (so no lock file is left
+    beside a failed conversion), held inside the block; the kernel releases it if the
+    holder dies."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def _prepare(directory: Path, python: str) -> Path:
