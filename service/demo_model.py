@@ -9,10 +9,9 @@ activations are a trained model's (outlier channels, per-layer scales).
 
 ``prepare`` is idempotent: a directory holding ``hsx-demo.json`` is complete (the
 conversion is written to a temporary directory and renamed into place), so a second
-call returns at once and a killed conversion leaves nothing half-made; callers that
-start together take turns on a lock, so one converts and the
-others find its result (two test workers used to convert it twice); the lock is on the
-parent directory itself, so a failed conversion still leaves nothing behind. The conversion
+call returns at once and a killed conversion leaves nothing half-made. Callers that
+start together take turns on a lock on the parent directory itself (no lock file is
+left behind), so one converts and the others find its result. The conversion
 runs in a child process (``hsx demo-model``) when ``hsx serve`` needs it, so the server
 does not keep the converter's half a gigabyte resident.
 """

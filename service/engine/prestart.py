@@ -179,7 +179,6 @@ def _pause_between_polls(seconds: float) -> None:
     def pause() -> None:
         time.sleep(seconds)
 
-    pause.hsx_poll_interval_s = seconds  # type: ignore[attr-defined]
     shm_broadcast.sched_yield = pause
 
 

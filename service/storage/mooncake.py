@@ -373,9 +373,7 @@ def _read_usage(url: str) -> StoreUsage | None:
             except ValueError:
                 continue
     if len(found) != len(_MASTER_METRICS):
-        missing = sorted(
-            set(_MASTER_METRICS) - {k for k, v in _MASTER_METRICS.items() if v in found}
-        )
+        missing = [name for name, field in _MASTER_METRICS.items() if field not in found]
         log.warning("mooncake: master metrics at %s lack %s", url, ", ".join(missing))
         return None
     return StoreUsage(**found)
