@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import FrameType
@@ -120,6 +121,7 @@ def _serve(settings: Settings) -> int:
         provenance = build_provenance(str(settings.engine.model), info.revision)
         prepared = Prepared(info, layer_ids, storage, metrics, provenance)
         app = create_app(settings, keys=keys, prepared=prepared)
+        _fork_engine_server(settings)
     except BaseException:
         asyncio.run(storage.close())
         if sock is not None:
@@ -153,6 +155,21 @@ def _serve(settings: Settings) -> int:
     if not server.started:
         raise StartupError(None, "the server did not start", "see the debug log", 1)
     return 0
+
+
+def _fork_engine_server(settings: Settings) -> None:
+    """On CPU, fork the engine processes' fork server from this process now, while it
+    has imported vLLM and run no forward pass (``service.engine.prestart``): it then
+    imports about 1 s of modules rather than all of vLLM again."""
+    if not settings.engine.preload_engine_processes:
+        return
+    from service.engine.prestart import fork_server_here, use_preloaded_processes
+
+    use_preloaded_processes(settings.engine.cpu_poll_interval_us / 1e6)
+    if fork_server_here():
+        log.debug("hsx: engine fork server forked from the serving process")
+    else:
+        log.debug("hsx: engine fork server will start fresh (threads: %s)", threading.enumerate())
 
 
 def raise_open_files_limit(connections: int) -> None:

@@ -23,6 +23,13 @@ them over:
 Only where vLLM chose ``spawn``; a ``fork`` vLLM chose (GPU, CUDA not initialised) is
 left as it is. ``EngineSettings.preload_engine_processes`` turns it off.
 
+``multiprocessing`` launches its fork server as a fresh interpreter, which imports vLLM
+once more (7-9 s of a core). ``hsx serve`` has imported vLLM itself by the time it
+starts uvicorn, and has run no forward pass and no other Python thread yet: there
+``fork_server_here`` forks the server from the serving process instead, so it imports
+only what the API did not (about 1 s). Everywhere else (a test process, a benchmark that
+ran torch before) the server is launched fresh, as ``multiprocessing`` does.
+
 The processes started this way can also poll vLLM's shared-memory queues without
 spinning (``poll_interval_s``, ``EngineSettings.cpu_poll_interval_us``): after each
 read, a reader of vLLM's ``MessageQueue`` (the worker waiting for the next step, the
@@ -39,9 +46,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
+import socket
+import stat
+import threading
 from collections.abc import Callable
-from multiprocessing import forkserver, reduction, resource_tracker
+from multiprocessing import connection, forkserver, reduction, resource_tracker, util
 from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
 from typing import Any
 
@@ -134,6 +145,115 @@ def use_preloaded_processes(poll_interval_s: float = 0.0) -> None:
         original = module.get_mp_context
         if not getattr(original, "hsx_preloaded", False):
             module.get_mp_context = _instead_of_spawn(original, context)
+
+
+def fork_server_here() -> bool:
+    """Start this process's fork server by forking this process, which has imported
+    vLLM already, rather than launching a fresh interpreter that imports it again.
+
+    Call it where an engine is about to start and this process has run no forward pass
+    (OpenMP's thread pool does not survive a fork; ``hsx serve`` before uvicorn). True
+    when the server was forked; False, and nothing changed, off CPU, with preloading
+    off (no ``use_preloaded_processes`` yet), when a server runs already, or while a
+    Python thread other than an idle pool worker runs here (it could hold a lock the
+    server would inherit held); the server is then launched fresh when the first
+    engine process starts."""
+    server: Any = forkserver._forkserver
+    if server._forkserver_pid is not None or server._forkserver_alive_fd is not None:
+        return False
+    if preloaded_context.cache_info().currsize == 0 or not _only_idle_pool_threads():
+        return False
+    resource_tracker.ensure_running()  # before the fork: the server's children share it
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the server process; it never returns
+            os.close(alive_w)
+            _serve_forks(listener.fileno(), alive_r)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return True
+
+
+def _only_idle_pool_threads() -> bool:
+    """Whether every other Python thread is an idle ``ThreadPoolExecutor`` worker
+    (``hsx serve``'s storage check leaves its pool's): blocked on its empty queue, it
+    holds no lock that a forked child would inherit held."""
+    from concurrent.futures import thread as pool
+
+    for thread in threading.enumerate():
+        if thread is threading.current_thread():
+            continue
+        target: Any = getattr(thread, "_target", None)
+        args: Any = getattr(thread, "_args", ())
+        if target is not pool._worker or len(args) < 2:
+            return False
+        executor: Any = args[0]()
+        if executor is None or not args[1].empty():
+            return False
+        if executor._idle_semaphore._value < len(executor._threads):  # a task is running
+            return False
+    return threading.current_thread() is threading.main_thread()
+
+
+def _serve_forks(listener_fd: int, alive_r: int) -> None:
+    """The forked server: drop what belongs to the serving process, then run
+    ``multiprocessing``'s fork server loop until every client is gone. Never returns;
+    ``os._exit``, so none of the serving process's exit handlers run here."""
+    code = 1
+    try:
+        _drop_sockets(keep=listener_fd)
+        _title_server()
+        # A spawned engine process configures no root handler; hsx serve's console and
+        # debug-log handlers stay the serving process's (vLLM's own loggers are set up
+        # from VLLM_LOGGING_CONFIG_PATH either way).
+        for handler in logging.root.handlers[:]:
+            logging.root.removeHandler(handler)
+        forkserver.main(listener_fd, alive_r, list(PRELOAD))
+    except SystemExit:  # every client has gone: the normal end
+        code = 0
+    finally:
+        os._exit(code)
+
+
+#: The forked server's process title: ``ps`` would show a second ``hsx serve`` otherwise.
+SERVER_TITLE = "hsx::EngineForkServer"
+
+
+def _title_server() -> None:
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(SERVER_TITLE)
+
+
+def _drop_sockets(keep: int) -> None:
+    """Point every inherited socket but ``keep`` at /dev/null: the server and every
+    engine process forked from it must not hold the API's listening port (a restart
+    would find it in use) or its storage connections. The descriptors stay taken, so
+    a Python object still holding one never closes a reused number."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd in (keep, null):
+                continue
+            try:
+                is_socket = stat.S_ISSOCK(os.fstat(fd).st_mode)
+            except OSError:  # the directory listing's own descriptor, already closed
+                continue
+            if is_socket:
+                os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
 
 
 def _instead_of_spawn(original: Callable[[], BaseContext], context: BaseContext) -> Any:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service.engine.prestart import preloaded_context, use_preloaded_processes
+from service.engine.prestart import SERVER_TITLE, preloaded_context, use_preloaded_processes
 
 VARIABLE = "HSX_TEST_PRESTART"
 
@@ -143,3 +143,82 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
         else:
             assert float(wall) < 50 * 0.002
             assert own == "True"
+
+
+def describe(path: str) -> None:
+    """Write this process's parent pid and how many TCP sockets it holds (JSON)."""
+    import json
+
+    me = psutil.Process()
+    tcp = len(me.net_connections(kind="tcp"))
+    Path(path).write_text(json.dumps({"ppid": me.ppid(), "tcp": tcp}))
+
+
+# What ``hsx serve`` has done when it forks the server: imported vLLM, bound its port,
+# and run its storage check on a thread pool whose worker now idles.
+FORK_HERE = """
+import json, socket, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import forkserver
+
+import psutil
+import vllm.v1.engine.async_llm
+
+from service.engine import prestart
+from tests.engine.test_prestart import describe
+
+port = socket.create_server(("127.0.0.1", 0))
+pool = ThreadPoolExecutor(1)
+pool.submit(int).result()
+if sys.argv[2] == "busy":
+    release = threading.Event()
+    threading.Thread(target=release.wait, daemon=True).start()
+prestart.use_preloaded_processes()
+forked = [prestart.fork_server_here(), prestart.fork_server_here()]
+child = prestart.preloaded_context().Process(target=describe, args=(sys.argv[1],))
+child.start()
+child.join(120)
+server = psutil.Process(forkserver._forkserver._forkserver_pid)
+seen = json.loads(open(sys.argv[1]).read())
+print(json.dumps({
+    "forked": forked,
+    "exitcode": child.exitcode,
+    "from_server": seen["ppid"] == server.pid,
+    "server": " ".join(server.cmdline()),
+    "server_tcp": len(server.net_connections(kind="tcp")),
+    "child_tcp": seen["tcp"],
+    "own_tcp": len(psutil.Process().net_connections(kind="tcp")),
+}))
+"""
+
+
+@pytest.mark.parametrize("threads", ["idle", "busy"])
+def test_serve_forks_the_server_from_itself_only_when_that_is_safe(
+    tmp_path: Path, threads: str
+) -> None:
+    """With only an idle pool worker beside it, the process forks its fork server from
+    itself (no fresh interpreter importing vLLM again), and neither the server nor the
+    engine processes it forks hold the process's listening port. With another thread
+    running, it does not fork, and the server is launched fresh as before."""
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_HERE, str(tmp_path / "seen.json"), threads],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    idle = threads == "idle"
+    assert result["forked"] == [idle, False]  # once, and never a second server
+    assert result["exitcode"] == 0
+    assert result["from_server"]
+    # Forked, it carries its own title; launched fresh, multiprocessing's command line.
+    assert (SERVER_TITLE in result["server"]) is idle
+    assert ("multiprocessing.forkserver" in result["server"]) is not idle
+    assert result["own_tcp"] == 1  # the port is the process's own ...
+    assert result["server_tcp"] == 0  # ... never the server's
+    assert result["child_tcp"] == 0  # nor an engine process's
