@@ -126,6 +126,23 @@ def cpu_text(cpu: dict[str, list[CpuSeconds]], child: str = "runner") -> str:
     return "; ".join(parts)
 
 
+def fork_engine_server() -> bool:
+    """Fork this process's engine fork server from it, as ``hsx serve`` does
+    (``service.engine.prestart.fork_server_here``), so the server does not import vLLM
+    a second time (about 7 CPU-seconds). Only first thing in a bench's own process,
+    before any forward pass ran in it (OpenMP's pool would not survive the fork); what
+    is measured does not change: the engine processes are forked either way, and each
+    engine sets its own pause between queue polls when it starts."""
+    import vllm.v1.engine.async_llm  # noqa: F401 - the server should hold it already
+
+    from service.config import EngineSettings
+    from service.engine.prestart import fork_server_here, use_preloaded_processes
+
+    default_us = EngineSettings.model_fields["cpu_poll_interval_us"].default
+    use_preloaded_processes(default_us / 1e6)
+    return fork_server_here()
+
+
 # --- an engine behind a real HTTP server -------------------------------------------
 
 

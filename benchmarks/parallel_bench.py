@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, bench_settings, fresh_prompts
+from benchmarks.common import Row, Timer, bench_settings, fork_engine_server, fresh_prompts
 
 #: layout name -> (tensor-parallel size, data-parallel size)
 LAYOUTS = {"TP=1": (1, 1), "TP=2": (2, 1), "DP=2": (1, 2)}
@@ -143,6 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.layout:  # one layout in this process: its result is the last stdout line
         size = Size(**json.loads(args.size))
+        fork_engine_server()
         found = asyncio.run(measure(args.layout, size, Path(args.scratch)))
         print(json.dumps(found), flush=True)
         return

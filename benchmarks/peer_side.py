@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import timed
+from benchmarks.common import fork_engine_server, timed
 from benchmarks.engine_sides import WARM_PROMPTS, Prompts, Side, extraction_side, plain_side
 from service.config import Settings
 
@@ -332,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     """Run one side for one round; the result goes to ``--out`` as JSON."""
     args = parse_args()
+    fork_engine_server()  # each side alike: start-up only, not the timed sets
     result = asyncio.run(one_round(args))
     result["bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     args.out.write_text(json.dumps(result))

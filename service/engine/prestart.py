@@ -165,7 +165,7 @@ def fork_server_here() -> bool:
         return False
     resource_tracker.ensure_running()  # before the fork: the server's children share it
     with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         listener.bind(address)
         if not util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
