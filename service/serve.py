@@ -157,11 +157,20 @@ def _serve(settings: Settings) -> int:
     return 0
 
 
+#: Storage whose client starts no native thread when it opens (Mooncake's starts its
+#: transfer engine's and etcd's): only beside these is this process safe to fork.
+_FORKS_BESIDE = ("file", "s3")
+
+
 def _fork_engine_server(settings: Settings) -> None:
     """On CPU, fork the engine processes' fork server from this process now, while it
     has imported vLLM and run no forward pass (``service.engine.prestart``): it then
     imports about 1 s of modules rather than all of vLLM again."""
+    from service.storage import scheme_of
+
     if not settings.engine.preload_engine_processes:
+        return
+    if scheme_of(settings.storage.url) not in _FORKS_BESIDE:
         return
     from service.engine.prestart import fork_server_here, use_preloaded_processes
 

@@ -50,7 +50,9 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from multiprocessing import connection, forkserver, reduction, resource_tracker, util
 from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
@@ -156,8 +158,8 @@ def fork_server_here() -> bool:
     when the server was forked; False, and nothing changed, off CPU, with preloading
     off (no ``use_preloaded_processes`` yet), when a server runs already, or while a
     Python thread other than an idle pool worker runs here (it could hold a lock the
-    server would inherit held); the server is then launched fresh when the first
-    engine process starts."""
+    server would inherit held), or when the fork itself fails; the server is then
+    launched fresh when the first engine process starts."""
     server: Any = forkserver._forkserver
     if server._forkserver_pid is not None or server._forkserver_alive_fd is not None:
         return False
@@ -171,10 +173,15 @@ def fork_server_here() -> bool:
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the server process; it never returns
+        util._flush_std_streams()  # type: ignore[attr-defined]  # else written again by each child
+        try:
+            pid = os.fork()
+        except OSError:  # no memory or processes left to fork: launch it fresh later
+            os.close(alive_r)
             os.close(alive_w)
-            _serve_forks(listener.fileno(), alive_r)
+            return False
+        if pid == 0:  # pragma: no cover - the server process; it never returns
+            _serve_forks(listener.fileno(), alive_r, alive_w)
         os.close(alive_r)
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
@@ -200,25 +207,38 @@ def _only_idle_pool_threads() -> bool:
             return False
         if executor._idle_semaphore._value < len(executor._threads):  # a task is running
             return False
+        # Inside ``_worker`` itself (waiting in ``work_queue.get``), not in a call it
+        # makes: ``_idle_semaphore.release()`` holds the semaphore's lock for a moment.
+        frame = sys._current_frames().get(thread.ident or 0)
+        if frame is None or frame.f_code is not pool._worker.__code__:
+            return False
     return threading.current_thread() is threading.main_thread()
 
 
-def _serve_forks(listener_fd: int, alive_r: int) -> None:
+def _serve_forks(listener_fd: int, alive_r: int, alive_w: int) -> None:
     """The forked server: drop what belongs to the serving process, then run
     ``multiprocessing``'s fork server loop until every client is gone. Never returns;
-    ``os._exit``, so none of the serving process's exit handlers run here."""
+    ``os._exit``, so none of the serving process's exit handlers (nor its ``except``
+    clauses, which would close its storage) run here."""
     code = 1
     try:
+        os.close(alive_w)
         _drop_sockets(keep=listener_fd)
         _title_server()
-        # A spawned engine process configures no root handler; hsx serve's console and
+        # A spawned engine process starts with logging as Python leaves it: no root
+        # handler, root at WARNING, warnings not captured. hsx serve's console and
         # debug-log handlers stay the serving process's (vLLM's own loggers are set up
         # from VLLM_LOGGING_CONFIG_PATH either way).
         for handler in logging.root.handlers[:]:
             logging.root.removeHandler(handler)
+        logging.root.setLevel(logging.WARNING)
+        logging.captureWarnings(False)
         forkserver.main(listener_fd, alive_r, list(PRELOAD))
     except SystemExit:  # every client has gone: the normal end
         code = 0
+    except BaseException:  # standard error is the debug log under hsx serve
+        traceback.print_exc()
+        sys.stderr.flush()
     finally:
         os._exit(code)
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from service.engine.builder import on_cpu
 from service.engine.prestart import SERVER_TITLE, preloaded_context, use_preloaded_processes
+from tests.support.processes import wait_until
 
 VARIABLE = "HSX_TEST_PRESTART"
 
@@ -170,14 +172,17 @@ from tests.engine.test_prestart import describe
 port = socket.create_server(("127.0.0.1", 0))
 pool = ThreadPoolExecutor(1)
 pool.submit(int).result()
-if sys.argv[2] == "busy":
-    release = threading.Event()
+release = threading.Event()
+if sys.argv[2] == "thread":
     threading.Thread(target=release.wait, daemon=True).start()
+elif sys.argv[2] == "pool task":
+    pool.submit(release.wait)
 prestart.use_preloaded_processes()
 forked = [prestart.fork_server_here(), prestart.fork_server_here()]
 child = prestart.preloaded_context().Process(target=describe, args=(sys.argv[1],))
 child.start()
 child.join(120)
+release.set()
 server = psutil.Process(forkserver._forkserver._forkserver_pid)
 seen = json.loads(open(sys.argv[1]).read())
 print(json.dumps({
@@ -188,18 +193,21 @@ print(json.dumps({
     "server_tcp": len(server.net_connections(kind="tcp")),
     "child_tcp": seen["tcp"],
     "own_tcp": len(psutil.Process().net_connections(kind="tcp")),
-}))
+    "server_pid": server.pid,
+}), flush=True)
 """
 
 
-@pytest.mark.parametrize("threads", ["idle", "busy"])
+@pytest.mark.skipif(not on_cpu(), reason="the fork server is CPU-only (vLLM forks on a GPU)")
+@pytest.mark.parametrize("threads", ["idle", "thread", "pool task"])
 def test_serve_forks_the_server_from_itself_only_when_that_is_safe(
     tmp_path: Path, threads: str
 ) -> None:
     """With only an idle pool worker beside it, the process forks its fork server from
     itself (no fresh interpreter importing vLLM again), and neither the server nor the
     engine processes it forks hold the process's listening port. With another thread
-    running, it does not fork, and the server is launched fresh as before."""
+    running, or a pool task, it does not fork, and the server is launched fresh as
+    before. Either way the server exits with the process."""
     import json
     import subprocess
 
@@ -222,3 +230,5 @@ def test_serve_forks_the_server_from_itself_only_when_that_is_safe(
     assert result["own_tcp"] == 1  # the port is the process's own ...
     assert result["server_tcp"] == 0  # ... never the server's
     assert result["child_tcp"] == 0  # nor an engine process's
+    server = result["server_pid"]
+    wait_until(lambda: not psutil.pid_exists(server), 10, "the fork server outlived its process")
