@@ -78,8 +78,10 @@ FULL = Plan(
         ),
     ),
     stock_sets=("256x16@1", "256x64@8", "256x64@64", "2048x8@8"),
-    rounds=2,
-    stock_rounds=2,
+    # Two runs of 4 rounds agreed within 0.02 on the hsx/peer rows (2026-11-27); runs
+    # of 2 differed by up to 0.15.
+    rounds=4,
+    stock_rounds=4,
     # The suspect rows found the cause (docs/profile.md, issue 31) and cost about 9
     # minutes a run; `SUSPECT_PLAN` runs them again.
     suspect_sets=(),
@@ -114,9 +116,11 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   lacks: float32, `enforce_eager` on every side, prefix caching off,
   `max_num_batched_tokens` 2048, `max_model_len` 2064, a 2 GiB KV cache. Every side's
   engine processes start from the same preloaded fork server
-  (`service/engine/prestart.py`); hsx's sides (*hsx*, *hsx-plain*) sleep 500 µs
-  between polls of vLLM's shared-memory queues (`engine.cpu_poll_interval_us`, its
-  default), the stock and peer sides keep vLLM's `sched_yield` spin, as shipped.
+  (`service/engine/prestart.py`), forked from the side's own process before its engine
+  starts (`benchmarks.common.fork_engine_server`: start-up only); hsx's sides (*hsx*,
+  *hsx-plain*) sleep 500 µs between polls of vLLM's shared-memory queues
+  (`engine.cpu_poll_interval_us`, its default), the stock and peer sides keep vLLM's
+  `sched_yield` spin, as shipped.
 - **method**: each measurement is a process of its own (`python -m
   benchmarks.peer_side`), which starts one engine, sends two untimed prompts of each
   length, times each prompt set once and shuts the engine down; only one engine is
@@ -154,6 +158,23 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   allocator setting).
   `--quick`: the tests' tiny model (hidden 128, 4 layers), two small sets, one round
   per side: it shows the bench runs; its numbers mean little.
+- **repeatability (issue 31)**: one pair at a time through the bench's own `abba` and
+  `pair_rows`, 4 rounds per side, two runs one after the other on a quiet machine
+  (2026-11-27, random Llama 512x8): hsx / peer at 64x256 tokens read 1.06 and 1.07
+  (8 in flight) and 1.04 and 1.06 (64 in flight); the 2-round full run before it had
+  1.01 and 0.98 for the same rows, and a 2-round run the same morning 0.85 and 0.88
+  (with other load), hence 4 rounds. hsx-plain / stock read 1.25 and 1.24 (64x256, 8
+  in flight) but 1.17 and 1.25 (16x256, 1 in flight): hsx's sides repeat within 2%
+  (hsx-plain 2704 and 2743 tok/s at 1 in flight, 3155 and 3105 at 8), the stock
+  side does not (2315 and 2190 tok/s at 1 in flight, per-round ratios 1.07-1.45). The
+  full run in the table, a third run at 4 rounds, read 1.04 and 1.08 for the two hsx /
+  peer rows and 1.26 and 1.17 for the two stock rows: three runs agree within 0.04
+  (hsx / peer) and 0.09 (hsx-plain / stock), not within 0.03. hsx's own sides repeat
+  (hsx 2764 and 2811 tok/s in the table against 2683-2784 in the pair runs); the sides
+  that spin in `sched_yield` (stock and peer, vLLM as shipped) get what the scheduler
+  leaves them beside the forward pass's threads, which varies from process to process
+  by 5-10% here, most with one prompt in flight (SmolLM2-135M 2x2048 tokens: 1.06 in
+  the 2-round run of the morning, 0.98 in the table, per-round ratios 0.92-1.05).
 """
 
 
