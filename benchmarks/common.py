@@ -135,11 +135,8 @@ def fork_engine_server() -> bool:
     engine sets its own pause between queue polls when it starts."""
     import vllm.v1.engine.async_llm  # noqa: F401 - the server should hold it already
 
-    from service.config import EngineSettings
-    from service.engine.prestart import fork_server_here, use_preloaded_processes
+    from service.engine.prestart import fork_server_here
 
-    default_us = EngineSettings.model_fields["cpu_poll_interval_us"].default
-    use_preloaded_processes(default_us / 1e6)
     return fork_server_here()
 
 

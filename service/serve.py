@@ -172,9 +172,8 @@ def _fork_engine_server(settings: Settings) -> None:
         return
     if scheme_of(settings.storage.url) not in _FORKS_BESIDE:
         return
-    from service.engine.prestart import fork_server_here, use_preloaded_processes
+    from service.engine.prestart import fork_server_here
 
-    use_preloaded_processes(settings.engine.cpu_poll_interval_us / 1e6)
     if fork_server_here():
         log.debug("hsx: engine fork server forked from the serving process")
     else:

@@ -155,15 +155,17 @@ def fork_server_here() -> bool:
 
     Call it where an engine is about to start and this process has run no forward pass
     (OpenMP's thread pool does not survive a fork; ``hsx serve`` before uvicorn). True
-    when the server was forked; False, and nothing changed, off CPU, with preloading
-    off (no ``use_preloaded_processes`` yet), when a server runs already, or while a
+    when the server was forked; False, and nothing changed, off CPU (vLLM forks its
+    engine processes there and needs no server), when a server runs already, or while a
     Python thread other than an idle pool worker runs here (it could hold a lock the
     server would inherit held), or when the fork itself fails; the server is then
     launched fresh when the first engine process starts."""
+    from service.engine.builder import on_cpu
+
     server: Any = forkserver._forkserver
     if server._forkserver_pid is not None or server._forkserver_alive_fd is not None:
         return False
-    if preloaded_context.cache_info().currsize == 0 or not _only_idle_pool_threads():
+    if not on_cpu() or not _only_idle_pool_threads():
         return False
     resource_tracker.ensure_running()  # before the fork: the server's children share it
     with socket.socket(socket.AF_UNIX) as listener:
