@@ -147,15 +147,6 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
             assert own == "True"
 
 
-def describe(path: str) -> None:
-    """Write this process's parent pid and how many TCP sockets it holds (JSON)."""
-    import json
-
-    me = psutil.Process()
-    tcp = len(me.net_connections(kind="tcp"))
-    Path(path).write_text(json.dumps({"ppid": me.ppid(), "tcp": tcp}))
-
-
 # What ``hsx serve`` has done when it forks the server: imported vLLM, bound its port,
 # and run its storage check on a thread pool whose worker now idles.
 FORK_HERE = """
@@ -164,11 +155,15 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import forkserver
 
 import psutil
-import vllm.v1.engine.async_llm
 
 from service.engine import prestart
-from tests.engine.test_prestart import describe
+from tests.support.processes import describe_process
 
+idle = sys.argv[2] == "idle"
+if idle:  # what hsx serve has imported, and set up, when it forks (8 CPU-s)
+    import vllm.v1.engine.async_llm
+
+    prestart.use_preloaded_processes()
 port = socket.create_server(("127.0.0.1", 0))
 pool = ThreadPoolExecutor(1)
 pool.submit(int).result()
@@ -177,9 +172,13 @@ if sys.argv[2] == "thread":
     threading.Thread(target=release.wait, daemon=True).start()
 elif sys.argv[2] == "pool task":
     pool.submit(release.wait)
-prestart.use_preloaded_processes()
 forked = [prestart.fork_server_here(), prestart.fork_server_here()]
-child = prestart.preloaded_context().Process(target=describe, args=(sys.argv[1],))
+context = prestart.preloaded_context()
+if not idle:
+    # Refused, the server is launched fresh and imports its preload list: what the list
+    # holds is not this test's matter (the module's other tests run the real one).
+    context.set_forkserver_preload(["tests.support.processes"])
+child = context.Process(target=describe_process, args=(sys.argv[1],))
 child.start()
 child.join(120)
 release.set()

@@ -142,5 +142,18 @@ def link_demo_model(cwd: Path, demo_model: Path) -> None:
     (cwd / DEMO_DIR).symlink_to(demo_model, target_is_directory=True)
 
 
+def describe_process(path: str) -> None:
+    """Write this process's parent pid and how many TCP sockets it holds, as JSON, to
+    ``path`` (a process target: its module imports nothing heavy, so a process started
+    from a fork server that lacks vLLM does not import it to unpickle this)."""
+    import json
+
+    import psutil
+
+    me = psutil.Process()
+    tcp = len(me.net_connections(kind="tcp"))
+    Path(path).write_text(json.dumps({"ppid": me.ppid(), "tcp": tcp}))
+
+
 def _tail(log: Path, chars: int = 3000) -> str:
     return log.read_text(errors="replace")[-chars:] if log.exists() else ""
