@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import os
 import random
 import resource
+import signal
 import socket
 import statistics
+import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,6 +142,83 @@ def fork_engine_server() -> bool:
     from service.engine.prestart import fork_server_here
 
     return fork_server_here()
+
+
+#: The repository root: every bench child runs from it.
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Preforked:
+    """A process that imported ``preload`` once (``benchmarks.preforked``); each
+    :meth:`run` is a child forked from it that runs ``python -m module args`` as a fresh
+    interpreter would, without importing those libraries again (vLLM, or torch with
+    speculators: about 8 CPU-seconds each on this machine). One job at a time."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log: Path) -> None:
+        self._proc = proc
+        self._log = log
+        self._ready = False
+        self._one = asyncio.Lock()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(
+        cls, preload: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Preforked]:
+        """Start the process (it imports meanwhile; its own output goes to ``log``),
+        with ``env`` (default: this process's); stop it on the way out."""
+        with log.open("wb") as sink:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "benchmarks.preforked", *preload,
+                cwd=REPO, env=dict(os.environ if env is None else env),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=sink,
+            )  # fmt: skip
+        try:
+            yield cls(proc, log)
+        finally:
+            if proc.returncode is None:
+                assert proc.stdin is not None
+                proc.stdin.close()  # the end of the job list: it exits
+                try:
+                    await asyncio.wait_for(proc.wait(), 30)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+
+    async def _answer(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        while line := await self._proc.stdout.readline():
+            if line.startswith(b"{"):  # a library may print while it imports
+                answer: dict[str, Any] = json.loads(line)
+                return answer
+        await self._proc.wait()
+        tail = (await asyncio.to_thread(self._log.read_text, errors="replace"))[-4000:]
+        raise RuntimeError(f"the preforked process exited:\n{tail}")
+
+    async def run(self, module: str, *args: str, log: Path, timeout_s: float | None = None) -> str:
+        """``python -m module args`` in a forked child, its output going to ``log``;
+        the output. A failure raises with the output's tail; past ``timeout_s`` the
+        child is killed and ``TimeoutError`` raised."""
+        async with self._one:
+            if not self._ready:
+                await self._answer()  # {"ready": true}: the imports are done
+                self._ready = True
+            assert self._proc.stdin is not None
+            job = {"module": module, "args": list(args), "log": str(log)}
+            self._proc.stdin.write((json.dumps(job) + "\n").encode())
+            await self._proc.stdin.drain()
+            pid = (await self._answer())["pid"]
+            try:
+                status = (await asyncio.wait_for(self._answer(), timeout_s))["exit"]
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                await self._answer()  # its exit: the next job may start
+                raise
+        text = await asyncio.to_thread(log.read_text, errors="replace")
+        if status != 0:
+            raise RuntimeError(f"python -m {module} failed ({status}):\n{text[-4000:]}")
+        return text
 
 
 # --- an engine behind a real HTTP server -------------------------------------------

@@ -35,9 +35,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, loop_factory, serve, table_line, timed
+from benchmarks.common import REPO, Preforked, Row, Timer, loop_factory, serve, table_line, timed
 
-REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = Path(__file__).resolve().parent / "drafter" / "questions.txt"
 #: Every HOLDOUT_EVERY-th question is held out: scored, never trained on.
 HOLDOUT_EVERY = 8
@@ -54,6 +53,19 @@ ARMS = {
     "d": "(d) all-zero states (control)",
 }
 ROW_PREFIXES = ("drafter ",)
+#: What the reference forward, the training runs and the scoring import: each of them
+#: is a child forked from one process that imported these (``Preforked``).
+TORCH_STAGES = (
+    "torch",
+    "safetensors.torch",
+    "transformers",
+    "datasets",
+    "speculators.cli",
+    "speculators.train.trainer",
+    "speculators.train.checkpointer",
+    "speculators.train.data",
+    "speculators.models.eagle3",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +110,7 @@ NOTES = f"""- **drafter proof (issue 25), data**: {FULL.questions} seed question
   weights and the packing order (seed {SEED} in every arm); real: the model, its
   answers, their states, speculators' trainer. Each arm trains in a process of its
   own, forked, as are the reference forward and the scoring, from one process that
-  imported torch, transformers and speculators once (`benchmarks/drafter/stages.py`:
+  imported torch, transformers and speculators once (`benchmarks/preforked.py`:
   8 CPU-seconds saved per stage); a forked process's peak RSS leaves out the library
   pages a fresh interpreter maps and never touches (quick size: 1092 MiB forked, 1233
   MiB fresh).
@@ -137,7 +149,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     clock: dict[str, float] = {}
     train_q, held_q = split(load_questions(size.questions))
     # The torch stages' process imports while the hsx server starts and answers.
-    async with Stages.start(work / "stages.log") as stages:
+    async with Preforked.start(TORCH_STAGES, work / "stages.log", _child_env()) as stages:
         async with _timed(clock, "hsx"), hsx_server(model, work, eager=quick) as url:
             conversations = await respond(url, model.name, train_q + held_q, size.max_tokens)
             exports = {
@@ -276,7 +288,7 @@ async def extract_and_export(
 
 
 async def reference_arms(
-    stages: Stages, model: Path, exports: dict[str, Path], work: Path, holdout: int
+    stages: Preforked, model: Path, exports: dict[str, Path], work: Path, holdout: int
 ) -> dict[str, list[float]]:
     """Arms (c) and (d) under ``work``; the worst relative error per layer of the raw
     and fp8 states against the reference."""
@@ -313,7 +325,7 @@ def train_args(model: Path, data: Path, save: Path, size: Size, ratio: float) ->
 
 
 async def train(
-    stages: Stages, model: Path, data: Path, save: Path, size: Size
+    stages: Preforked, model: Path, data: Path, save: Path, size: Size
 ) -> tuple[Path, int]:
     """Train one drafter (a process of its own, forked from ``stages``, so its memory
     is given back); its last checkpoint and the training process's peak RSS in MiB."""
@@ -333,7 +345,7 @@ async def train(
 
 
 async def evaluate(
-    stages: Stages, reference: Path, holdout: int, checkpoints: dict[str, Path]
+    stages: Preforked, reference: Path, holdout: int, checkpoints: dict[str, Path]
 ) -> dict:
     """Held-out scores of every drafter (``benchmarks.drafter.evaluate``)."""
     out = await stages.run(
@@ -398,65 +410,6 @@ def _child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_BENCH_")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
-
-
-class Stages:
-    """The torch stages' process (``benchmarks.drafter.stages``): each ``run`` is a
-    child forked from it, as ``python -m module args`` would be, without importing
-    torch, transformers and speculators again (8 CPU-seconds each time here)."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, log: Path) -> None:
-        self._proc = proc
-        self._log = log
-        self._ready = False
-
-    @classmethod
-    @contextlib.asynccontextmanager
-    async def start(cls, log: Path) -> AsyncIterator[Stages]:
-        """Start the process (it imports meanwhile); stop it on the way out."""
-        with log.open("wb") as sink:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "benchmarks.drafter.stages",
-                cwd=REPO, env=_child_env(), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=sink,
-            )  # fmt: skip
-        try:
-            yield cls(proc, log)
-        finally:
-            if proc.returncode is None:
-                assert proc.stdin is not None
-                proc.stdin.close()  # the end of the job list: it exits
-                try:
-                    await asyncio.wait_for(proc.wait(), 30)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
-
-    async def _answer(self) -> dict[str, Any]:
-        assert self._proc.stdout is not None
-        while line := await self._proc.stdout.readline():
-            if line.startswith(b"{"):  # a library may print while it imports
-                answer: dict[str, Any] = json.loads(line)
-                return answer
-        await self._proc.wait()
-        tail = (await asyncio.to_thread(self._log.read_text, errors="replace"))[-4000:]
-        raise RuntimeError(f"the drafter stages' process exited:\n{tail}")
-
-    async def run(self, module: str, *args: str, log: Path) -> str:
-        """``python -m module args`` in a forked child, its output going to ``log``;
-        the output. A failure raises with the output's tail."""
-        if not self._ready:
-            await self._answer()  # {"ready": true}: the imports are done
-            self._ready = True
-        assert self._proc.stdin is not None
-        job = {"module": module, "args": list(args), "log": str(log)}
-        self._proc.stdin.write((json.dumps(job) + "\n").encode())
-        await self._proc.stdin.drain()
-        status = (await self._answer())["exit"]
-        text = await asyncio.to_thread(log.read_text, errors="replace")
-        if status != 0:
-            raise RuntimeError(f"python -m {module} failed ({status}):\n{text[-4000:]}")
-        return text
 
 
 async def _child(module: str, *args: str, log: Path) -> str:

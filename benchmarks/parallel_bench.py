@@ -14,14 +14,19 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, bench_settings, fork_engine_server, fresh_prompts
+from benchmarks.common import (
+    Preforked,
+    Row,
+    Timer,
+    bench_settings,
+    fork_engine_server,
+    fresh_prompts,
+)
 
 #: layout name -> (tensor-parallel size, data-parallel size)
 LAYOUTS = {"TP=1": (1, 1), "TP=2": (2, 1), "DP=2": (1, 2)}
@@ -47,7 +52,8 @@ QUICK = Size(prompts=4, length=64, rounds=1)
 NOTES = f"""- **parallel layouts**: the tiny random Llama (hidden {HIDDEN}, 4 layers, float32,
   eager), extraction of 4 layers to local disk, {FULL.prompts} prompts of
   {FULL.length} tokens in flight per round (fresh prompts every round), {FULL.rounds}
-  rounds per process. Each layout runs in a process of its own in the order
+  rounds per process. Each layout runs in a process of its own (forked from one
+  process that imported vLLM once: `benchmarks/preforked.py`) in the order
   {", ".join(ORDER)} (one engine alive at a time, none inheriting another's thread
   binding); a layout's throughput is the median of its rounds in both processes. The
   binding column is `VLLM_CPU_OMP_THREADS_BIND` as the engine's workers got it: hsx
@@ -91,17 +97,22 @@ async def _extract_all(extractor: Any, prompts: list[list[int]]) -> None:
     )
 
 
-def _in_own_process(layout: str, size: Size, scratch: Path) -> dict[str, object]:
-    """``measure`` in a fresh interpreter, without hsx's or vLLM's binding variable."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
-    command = [sys.executable, "-m", "benchmarks.parallel_bench", "--layout", layout,
-               "--size", json.dumps(size.__dict__), "--scratch", str(scratch)]  # fmt: skip
-    done = subprocess.run(  # noqa: S603 - this interpreter, this module
-        command, env=env, capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{layout} failed:\n{done.stderr[-3000:]}")
-    last = done.stdout.strip().splitlines()[-1]
+#: What a layout's process imports before its engine starts (``Preforked``).
+LAYOUT_PRELOAD = (
+    "vllm.v1.engine.async_llm",
+    "service.engine.extractor",
+    "benchmarks.parallel_bench",
+)
+
+
+async def _in_own_process(
+    layouts: Preforked, layout: str, size: Size, scratch: Path
+) -> dict[str, object]:
+    """``measure`` in a process of its own (forked from ``layouts``, which imported
+    vLLM once), started without hsx's or vLLM's binding variable."""
+    args = ["--layout", layout, "--size", json.dumps(size.__dict__), "--scratch", str(scratch)]
+    out = await layouts.run("benchmarks.parallel_bench", *args, log=scratch.with_suffix(".log"))
+    last = [line for line in out.splitlines() if line.startswith("{")][-1]
     result: dict[str, object] = json.loads(last)
     return result
 
@@ -113,10 +124,12 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     seconds: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     bindings: dict[str, str] = {}
     tokens = size.prompts * size.length
-    for layout in QUICK_ORDER if quick else ORDER:
-        found = await asyncio.to_thread(_in_own_process, layout, size, scratch / layout)
-        seconds[layout] += [float(s) for s in found["seconds"]]  # type: ignore[attr-defined]
-        bindings[layout] = str(found["binding"])
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    async with Preforked.start(LAYOUT_PRELOAD, scratch / "layouts.log", env) as layouts:
+        for layout in QUICK_ORDER if quick else ORDER:
+            found = await _in_own_process(layouts, layout, size, scratch / layout)
+            seconds[layout] += [float(s) for s in found["seconds"]]  # type: ignore[attr-defined]
+            bindings[layout] = str(found["binding"])
     rate = {name: tokens / statistics.median(times) for name, times in seconds.items()}
     base = rate["TP=1"]
     return [

@@ -17,12 +17,11 @@ import json
 import logging
 import os
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, print_rows
+from benchmarks.common import Preforked, Row, Timer, print_rows
 from benchmarks.peer_side import PromptSet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +29,15 @@ ROW_PREFIXES = ("peer: ",)
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 #: A side's process gets this long (engine start, warm-up, every set) before it is killed.
 SIDE_TIMEOUT_S = 1200
+#: What a side's process imports before its engine starts: each side is a child forked
+#: from one process that imported these (``Preforked``), not a fresh interpreter.
+SIDE_PRELOAD = (
+    "vllm.v1.engine.async_llm",
+    "service.engine.extractor",
+    "benchmarks.peer_side",
+    "benchmarks.peer_connector",
+    "psutil",
+)
 #: Before each side's process: wait up to ``Plan.quiet_wait_s`` for CPU use under this.
 QUIET_PERCENT = 10.0
 log = logging.getLogger(__name__)
@@ -121,14 +129,17 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   *hsx-plain*) sleep 500 µs between polls of vLLM's shared-memory queues
   (`engine.cpu_poll_interval_us`, its default), the stock and peer sides keep vLLM's
   `sched_yield` spin, as shipped.
-- **method**: each measurement is a process of its own (`python -m
-  benchmarks.peer_side`), which starts one engine, sends two untimed prompts of each
-  length, times each prompt set once and shuts the engine down; only one engine is
-  alive at a time. The two sides of a row alternate in ABBA order (round r: A then B
-  when r is even, B then A when odd), {FULL.rounds} rounds per side for hsx/peer and
-  {FULL.stock_rounds} for hsx-plain/stock; each round gets fresh random prompts, the
-  same on both sides. Throughput is prompt tokens over the wall time of a set, all of
-  whose prompts are submitted with at most N in flight (the row's "N in flight");
+- **method**: each measurement is a process of its own (`benchmarks.peer_side`, as
+  `python -m` would run it, forked from one process that imported vLLM once:
+  `benchmarks/preforked.py`, 8 CPU-seconds less start-up per side; the engine's own
+  processes are forked from the side's fork server either way), which starts one
+  engine, sends two untimed prompts of each length, times each prompt set once and
+  shuts the engine down; only one engine is alive at a time. The two sides of a row
+  alternate in ABBA order (round r: A then B when r is even, B then A when odd),
+  {FULL.rounds} rounds per side for hsx/peer and {FULL.stock_rounds} for hsx-plain/stock;
+  each round gets fresh random prompts, the same on both sides. Throughput is prompt
+  tokens over the wall time of a set, all of whose prompts are submitted with at most
+  N in flight (the row's "N in flight");
   a side's time is the median over its rounds, and each row gives the range of the
   per-round ratios, the CPU-seconds ratio (the other side's median CPU seconds, client
   and engine processes, over ours: above 1 when ours costs less CPU; less sensitive to
@@ -197,6 +208,7 @@ class Launch:
     scratch: Path
     bind: str
     quiet_wait_s: float
+    sides: Preforked
 
 
 def wait_until_quiet(limit_s: float) -> None:
@@ -222,25 +234,18 @@ async def run_side(
     name = f"{side}-{launch.model.name}-{tag}{seed}"  # the tag keeps pairs' files apart
     out, output = launch.scratch / f"{name}.json", launch.scratch / f"{name}.log"
     command = [
-        *(sys.executable, "-m", "benchmarks.peer_side", "--side", side),
+        *("benchmarks.peer_side", "--side", side),
         *("--model", str(launch.model), "--layers", ",".join(map(str, launch.layers))),
         *("--sets", ",".join(sets), "--seed", str(seed)),
         *("--work", str(launch.scratch / f"work-{name}"), "--out", str(out)),
     ]
-    env = {**os.environ, BIND_VARIABLE: launch.bind}
-    with output.open("wb") as log_file:
-        process = await asyncio.create_subprocess_exec(
-            *command, cwd=REPO, env=env, stdout=log_file, stderr=log_file
-        )
-        try:
-            code = await asyncio.wait_for(process.wait(), SIDE_TIMEOUT_S)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-            raise
-    if code != 0 or not out.exists():
+    try:
+        await launch.sides.run(*command, log=output, timeout_s=SIDE_TIMEOUT_S)
+    except RuntimeError as exc:
+        raise RuntimeError(f"peer bench side {side} failed: {exc}") from None
+    if not out.exists():
         tail = output.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"peer bench side {side} exited with {code}:\n{tail}")
+        raise RuntimeError(f"peer bench side {side} wrote no result:\n{tail}")
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -280,18 +285,22 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     bind = binding()
     peak = await asyncio.to_thread(matmul_peak, bind, plan.quiet_wait_s)
     rows: list[Row] = []
-    for index, model in enumerate(plan.models):
-        directory = await asyncio.to_thread(_model, scratch, plan, model)
-        launch = Launch(directory, model.layers, scratch, bind, plan.quiet_wait_s)
-        peer = await abba(launch, ("hsx", "peer"), model.sets, plan.rounds)
-        rows += pair_rows("hsx / vLLM connector", model, peer, ">= 1.0")
-        rows += mfu_rows(peak, directory, model, peer)
-        if index == 0:
-            stock = await abba(launch, ("hsx-plain", "stock"), plan.stock_sets, plan.stock_rounds)
-            rows += pair_rows("hsx engine without extraction / stock vLLM", model, stock, ">= 0.99")
-            rows += mfu_rows(peak, directory, model, stock)
-            _check_binding({**peer, **stock})
-            rows += await suspect_rows(launch, model, plan)
+    env = {**os.environ, BIND_VARIABLE: bind}
+    async with Preforked.start(SIDE_PRELOAD, scratch / "sides.log", env) as sides:
+        for index, model in enumerate(plan.models):
+            directory = await asyncio.to_thread(_model, scratch, plan, model)
+            launch = Launch(directory, model.layers, scratch, bind, plan.quiet_wait_s, sides)
+            peer = await abba(launch, ("hsx", "peer"), model.sets, plan.rounds)
+            rows += pair_rows("hsx / vLLM connector", model, peer, ">= 1.0")
+            rows += mfu_rows(peak, directory, model, peer)
+            if index == 0:
+                pair = ("hsx-plain", "stock")
+                stock = await abba(launch, pair, plan.stock_sets, plan.stock_rounds)
+                what = "hsx engine without extraction / stock vLLM"
+                rows += pair_rows(what, model, stock, ">= 0.99")
+                rows += mfu_rows(peak, directory, model, stock)
+                _check_binding({**peer, **stock})
+                rows += await suspect_rows(launch, model, plan)
     return rows
 
 

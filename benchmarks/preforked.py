@@ -1,19 +1,21 @@
-"""The drafter bench's torch stages, each in a process of its own, importing once.
+"""A bench's child processes, each forked from one process that imported their libraries.
 
-``python -m benchmarks.drafter.stages`` imports torch, transformers and speculators
-(about 8 CPU-seconds on this machine, most of what a short training run costs), then
-reads jobs from stdin, one JSON line each (``{"module": ..., "args": [...], "log":
-...}``), and runs each job in a child forked from itself: the child is ``python -m
-module args`` as a fresh interpreter would run it (its own stdout and stderr, both
-into ``log``, its own exit status, its atexit handlers, its memory given back when it
-exits), only without importing those libraries again. After each job it answers one
-line, ``{"exit": status}``. The bench's reference forward, its four training runs and
-its scoring are such jobs (``benchmarks.drafter_bench.Stages``).
+``python -m benchmarks.preforked MODULE...`` imports each MODULE (vLLM costs about 8
+CPU-seconds to import on this machine, torch with transformers and speculators as much),
+then reads jobs from stdin, one JSON line each (``{"module": ..., "args": [...], "log":
+...}``), and runs each in a child forked from itself: the child is ``python -m module
+args`` as a fresh interpreter would run it (stdout and stderr both into ``log``, its own
+exit status and atexit handlers, its memory given back when it exits), only without
+importing those libraries again. It answers ``{"ready": true}`` once imported, and for
+each job ``{"pid": ...}`` when the child starts and ``{"exit": ...}`` when it ends.
+``benchmarks.common.Preforked`` drives it; jobs run one at a time.
 
-Forking is safe here because this process only imports: no torch op runs in it, so
-no OpenMP pool exists to be lost in a child, and the threads that imports leave (one
-of torch's, pyarrow's jemalloc background thread) are ones those libraries re-create
-after a fork (vLLM's preloaded engine fork server relies on the same).
+Forking is safe because this process only imports: no torch op runs in it, so no
+OpenMP pool exists to be lost in a child, and the threads imports leave (one of
+torch's, pyarrow's jemalloc background thread) are ones their libraries re-create after
+a fork, as in vLLM's preloaded engine fork server (``service/engine/prestart.py``). A
+child is single-threaded when it starts, so a bench child may fork its own engine fork
+server from itself (``benchmarks.common.fork_engine_server``).
 """
 
 from __future__ import annotations
@@ -25,19 +27,6 @@ import os
 import runpy
 import sys
 import traceback
-
-#: What every stage imports; a module missing from the environment is left out.
-PRELOAD = (
-    "torch",
-    "safetensors.torch",
-    "transformers",
-    "datasets",
-    "speculators.cli",
-    "speculators.train.trainer",
-    "speculators.train.checkpointer",
-    "speculators.train.data",
-    "speculators.models.eagle3",
-)
 
 
 def _exit_code(code: object) -> int:
@@ -73,14 +62,19 @@ def run_job(module: str, args: list[str], log: str) -> int:
     return code
 
 
+def _answer(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
 def main() -> None:
-    """Import, say so, then fork one child per job line on stdin, one at a time."""
-    for name in PRELOAD:
+    """Import the modules named on the command line, then fork one child per job line
+    on stdin, one at a time."""
+    for name in sys.argv[1:]:
         try:
             importlib.import_module(name)
         except ImportError:  # the job that needs it fails with the error itself
             continue
-    print(json.dumps({"ready": True}), flush=True)
+    _answer(ready=True)
     for line in sys.stdin:
         job = json.loads(line)
         sys.stdout.flush()
@@ -94,8 +88,9 @@ def main() -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)  # never the parent's loop or exit handlers
+        _answer(pid=pid)
         _, status = os.waitpid(pid, 0)
-        print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
+        _answer(exit=os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__":
