@@ -21,16 +21,16 @@ PACKAGE_GROUPS = ("tests/api/", "tests/e2e/security/")
 PER_TEST = ("tests/e2e/test_bench_smoke.py",)
 #: Groups sent first, longest first (seconds of one run on 2 cores, rounded).
 HEAVY_FIRST = (
-    "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 220
-    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[peer_bench]",  # 120
-    "tests/dataset/test_dataset_e2e.py",  # 110
-    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[parallel_bench]",  # 90
-    "tests/e2e/test_serve.py",  # 90
-    "tests/dataset/test_parity.py",  # 75
-    "tests/engine/test_parallel.py",  # 70 (three engines, one after the other)
-    "tests/api/",  # 70
-    "tests/e2e/test_readme.py",  # 60
-    "tests/e2e/test_speculators.py",  # 60
+    "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 145
+    "tests/api/",  # 115
+    "tests/dataset/test_dataset_e2e.py",  # 100
+    "tests/e2e/test_serve.py",  # 75
+    "tests/dataset/test_parity.py",  # 65
+    "tests/e2e/test_speculators.py",  # 64
+    "tests/e2e/test_readme.py",  # 55
+    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[peer_bench]",  # 47
+    "tests/engine/test_parallel.py",  # 43 (three engines, one after the other)
+    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[parallel_bench]",  # 37
     "tests/e2e/test_bench_smoke.py::test_quick_engine_bench_gives_every_row",  # 15
 )
 
