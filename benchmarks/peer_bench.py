@@ -186,6 +186,16 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   leaves them beside the forward pass's threads, which varies from process to process
   by 5-10% here, most with one prompt in flight (SmolLM2-135M 2x2048 tokens: 1.06 in
   the 2-round run of the morning, 0.98 in the table, per-round ratios 0.92-1.05).
+  Later that evening, with every side forked from one process that imported vLLM
+  (`benchmarks/preforked.py`): a 4-round pair read 1.25 and 1.26 (16x256 at 1 and
+  64x256 at 8 in flight: as before); an 8-round pair over all four stock sets read
+  1.15, 1.08, 1.12 and 1.09 (stock 2248-2777 tok/s, against 2130-2423 in the 4-round
+  pair), so 8 rounds did not bring two runs within 0.03 either (64x256 at 8 in flight:
+  1.26 and 1.08). With `VLLM_CPU_OMP_THREADS_BIND=0` on both sides, two 4-round pairs
+  read 1.09 and 1.18 (1 in flight) and 1.19 and 1.19 (8 in flight), but every engine
+  thread still reported CPUs 0-1 in its affinity, so what the variable changed is not
+  shown. The stock rows' spread between runs of one day (up to 0.18) is what keeps
+  issue 31 open.
 """
 
 
