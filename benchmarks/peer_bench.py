@@ -148,10 +148,12 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   {FULL.quiet_wait_s:.0f} s for the machine to be under {QUIET_PERCENT:.0f}% busy). Thread
   binding, stated and equal: every side's process gets
   `{BIND_VARIABLE}` set to all the CPUs it may use (here `0-1`, unless the caller set
-  the variable), so vLLM's CPU worker binds one OpenMP thread per CPU on every side
-  whatever its reservation rules (which otherwise keep one core back from a stock
-  engine without a connector on 2 cores); the side's process records which CPUs each
-  of its engine's threads may run on. Full mode: a random Llama of hidden
+  the variable), meant to make vLLM's CPU worker bind one OpenMP thread per CPU on
+  every side whatever its reservation rules; the side's process records which CPUs
+  each of its engine's threads may run on, and that record shows the binding is not
+  applied: every thread may run on 0-1, on every side (the worker is forked from a
+  server whose OpenMP runtime loaded before vLLM set its variables, docs/cpu.md), so
+  every side's worker runs the same two unbound threads. Full mode: a random Llama of hidden
   {FULL.hidden}, {FULL.num_layers} layers (`service.engine.tiny_models.make_model`,
   layer ids {list(FULL.models[0].layers)}), and the demo model SmolLM2-135M-Instruct
   (layer ids {list(FULL.models[1].layers)}). At 2048 tokens a set of 64 prompts would
