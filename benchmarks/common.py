@@ -215,10 +215,31 @@ class Preforked:
                     os.kill(pid, signal.SIGKILL)
                 await self._answer()  # its exit: the next job may start
                 raise
-        text = await asyncio.to_thread(log.read_text, errors="replace")
-        if status != 0:
-            raise RuntimeError(f"python -m {module} failed ({status}):\n{text[-4000:]}")
-        return text
+        return await child_output(module, status, log)
+
+    @property
+    def pid(self) -> int:
+        """The preloaded process's pid (every job's parent)."""
+        return self._proc.pid
+
+
+async def child_output(module: str, status: int, log: Path) -> str:
+    """What ``python -m module`` wrote to ``log``; raises with its tail when ``status``
+    (its exit status) is not 0."""
+    text = await asyncio.to_thread(log.read_text, errors="replace")
+    if status != 0:
+        raise RuntimeError(f"python -m {module} failed ({status}):\n{text[-4000:]}")
+    return text
+
+
+def last_json(output: str) -> dict[str, Any]:
+    """The last line of a child's output that is a JSON object (libraries may log
+    after it: stderr shares the file)."""
+    for line in reversed(output.splitlines()):
+        if line.startswith("{"):
+            found: dict[str, Any] = json.loads(line)
+            return found
+    raise RuntimeError(f"no JSON result in:\n{output[-4000:]}")
 
 
 # --- an engine behind a real HTTP server -------------------------------------------

@@ -35,7 +35,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, Preforked, Row, Timer, loop_factory, serve, table_line, timed
+from benchmarks.common import (
+    REPO,
+    Preforked,
+    Row,
+    Timer,
+    child_output,
+    last_json,
+    loop_factory,
+    serve,
+    table_line,
+    timed,
+)
 
 QUESTIONS = Path(__file__).resolve().parent / "drafter" / "questions.txt"
 #: Every HOLDOUT_EVERY-th question is held out: scored, never trained on.
@@ -297,7 +308,7 @@ async def reference_arms(
         str(work / "reference"), str(work / "control"), str(holdout), str(exports["fp8"]),
         log=work / "reference.log",
     )  # fmt: skip
-    errors: dict[str, list[float]] = _last_json(out)["worst_relative_error"]
+    errors: dict[str, list[float]] = last_json(out)["worst_relative_error"]
     return errors
 
 
@@ -353,7 +364,7 @@ async def evaluate(
         *(f"{arm}={path}" for arm, path in checkpoints.items()),
         log=reference.parent / "evaluate.log",
     )  # fmt: skip
-    return _last_json(out)
+    return last_json(out)
 
 
 async def vllm_acceptance(
@@ -421,26 +432,13 @@ async def _child(module: str, *args: str, log: Path) -> str:
             sys.executable, "-m", module, *args,
             cwd=REPO, env=_child_env(), stdout=sink, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
-        await proc.wait()
-    text = await asyncio.to_thread(log.read_text, errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"python -m {module} failed ({proc.returncode}):\n{text[-4000:]}")
-    return text
+        status = await proc.wait()
+    return await child_output(module, status, log)
 
 
 def _json_lines(output: str) -> list[dict[str, Any]]:
     """Every line of a child's output that is a JSON object, in order."""
     return [json.loads(line) for line in output.splitlines() if line.startswith('{"')]
-
-
-def _last_json(output: str) -> dict[str, Any]:
-    """The last line of a child's output that is a JSON object (libraries may log
-    after it: stderr shares the pipe)."""
-    for line in reversed(output.splitlines()):
-        if line.startswith("{"):
-            found: dict[str, Any] = json.loads(line)
-            return found
-    raise RuntimeError(f"no JSON result in:\n{output[-4000:]}")
 
 
 def _steps(values: list[float]) -> str:

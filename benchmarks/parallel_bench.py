@@ -26,6 +26,7 @@ from benchmarks.common import (
     bench_settings,
     fork_engine_server,
     fresh_prompts,
+    last_json,
 )
 
 #: layout name -> (tensor-parallel size, data-parallel size)
@@ -112,9 +113,7 @@ async def _in_own_process(
     vLLM once), started without hsx's or vLLM's binding variable."""
     args = ["--layout", layout, "--size", json.dumps(size.__dict__), "--scratch", str(scratch)]
     out = await layouts.run("benchmarks.parallel_bench", *args, log=scratch.with_suffix(".log"))
-    last = [line for line in out.splitlines() if line.startswith("{")][-1]
-    result: dict[str, object] = json.loads(last)
-    return result
+    return last_json(out)
 
 
 async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:

@@ -218,7 +218,6 @@ class Launch:
     model: Path
     layers: tuple[int, ...]
     scratch: Path
-    bind: str
     quiet_wait_s: float
     sides: Preforked
 
@@ -301,7 +300,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     async with Preforked.start(SIDE_PRELOAD, scratch / "sides.log", env) as sides:
         for index, model in enumerate(plan.models):
             directory = await asyncio.to_thread(_model, scratch, plan, model)
-            launch = Launch(directory, model.layers, scratch, bind, plan.quiet_wait_s, sides)
+            launch = Launch(directory, model.layers, scratch, plan.quiet_wait_s, sides)
             peer = await abba(launch, ("hsx", "peer"), model.sets, plan.rounds)
             rows += pair_rows("hsx / vLLM connector", model, peer, ">= 1.0")
             rows += mfu_rows(peak, directory, model, peer)

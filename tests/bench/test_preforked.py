@@ -28,7 +28,7 @@ def test_each_job_is_a_child_of_the_preloaded_process_with_its_own_output(
             outputs = [
                 await runner.run(JOB, "ok", str(i), log=tmp_path / f"job{i}.log") for i in range(2)
             ]
-            runner_pid = runner._proc.pid
+            runner_pid = runner.pid
         return outputs, runner_pid
 
     outputs, runner_pid = asyncio.run(scenario())
