@@ -58,6 +58,8 @@ from multiprocessing import connection, forkserver, reduction, resource_tracker,
 from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
 from typing import Any
 
+from service.engine.openmp import take_openmp_settings
+
 #: What the fork server imports once: everything an EngineCore and a CPU worker import
 #: when they unpickle their targets, and hsx's classes that vLLM loads into them.
 PRELOAD = (
@@ -289,12 +291,15 @@ def _instead_of_spawn(original: Callable[[], BaseContext], context: BaseContext)
 
 
 def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...], poll_interval_s: float) -> None:
-    """In the child, before its target runs: the parent's environment and output, the
-    inherited fork server for any children, vLLM's starts routed to it again, and the
+    """In the child, before its target runs: the parent's environment (with the OpenMP
+    thread count and binding it asks for) and output, the inherited fork server for any children, vLLM's starts routed to it again, and the
     parent's poll interval (here and in this process's children)."""
     _ready_process_title()
     os.environ.clear()
     os.environ.update(environ)
+    # The OpenMP runtime read its variables in the server, before vLLM set this
+    # worker's: apply them now, before any parallel region (service/engine/openmp.py).
+    take_openmp_settings(environ)
     for target, inherited in zip(_STDIO, stdio, strict=True):
         fd = inherited.detach()
         os.dup2(fd, target)

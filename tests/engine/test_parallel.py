@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
+from vllm.utils.cpu_resource_utils import parse_id_list
 
 from service.engine.introspect import capacity_of
+from service.engine.parallel import BIND_VARIABLE
 from tests.engine.checks import assert_object_matches
 from tests.engine.conftest import engine_settings, random_prompts, running
 from tests.support.engines import serving
@@ -49,10 +52,12 @@ async def parallel(
     }
     settings = engine_settings(model_dir(kind), str(root), engine=engine)
     bound = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    before = descendants()
     try:
         async with running(settings) as extractor, serving(settings, extractor) as url:
             extractor.test_root, extractor.test_url = root, url
             extractor.test_layout = (tp, dp)
+            extractor.test_before = before
             yield extractor
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -161,3 +166,38 @@ async def test_metrics_show_every_worker_and_engine_once(parallel: Any) -> None:
         per_engine[labels["engine"]] = per_engine.get(labels["engine"], 0.0) + value
     assert sorted(per_engine) == engines
     assert all(count > 0 for count in per_engine.values()), per_engine  # each engine served
+
+
+def descendants() -> set[int]:
+    return {process.pid for process in psutil.Process().children(recursive=True)}
+
+
+def new_workers(before: set[int]) -> list[psutil.Process]:
+    """vLLM's worker processes (``VLLM::Worker``, ``VLLM::Worker_TP1``) that were not
+    running ``before``: this layout's, not another module's engine's."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.pid not in before and process.cmdline()[0].startswith("VLLM::Worker"):
+                found.append(process)
+        except (psutil.Error, IndexError):  # exited meanwhile
+            continue
+    return found
+
+
+async def test_each_worker_computes_on_the_cpus_its_binding_names(parallel: Any) -> None:
+    """vLLM's binding (``0|1`` here, one CPU list per rank) holds in every worker,
+    although the worker is forked from a server that loaded OpenMP before vLLM set it
+    (``service.engine.openmp``): each worker's main thread, and every thread it started
+    but hsx's writer, may run only on its rank's list; the writer's threads run on the
+    other CPUs, off the forward pass (``service.engine.writer``)."""
+    tp, dp = parallel.test_layout
+    lists = [set(parse_id_list(cpus)) for cpus in os.environ[BIND_VARIABLE].split("|")]
+    assert len(lists) == tp * dp
+    workers = new_workers(parallel.test_before)
+    mains = [os.sched_getaffinity(process.pid) for process in workers]
+    assert sorted(map(sorted, mains)) == sorted(map(sorted, lists))  # one list each
+    everywhere = set().union(*lists)
+    for process, own in zip(workers, mains, strict=True):
+        seen = {frozenset(os.sched_getaffinity(t.id)) for t in process.threads()}
+        assert seen <= {frozenset(own), frozenset(everywhere - own)}, seen

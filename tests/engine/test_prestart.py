@@ -147,6 +147,55 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
             assert own == "True"
 
 
+def openmp_report(path: str) -> None:
+    """Run a parallel region, then write the OpenMP thread count and the CPUs every
+    thread of this process may run on."""
+    import json
+
+    import torch
+
+    torch.ones(512, 512) @ torch.ones(512, 512)  # the pool exists and has run
+    cpus = {cpu for task in os.listdir("/proc/self/task") for cpu in os.sched_getaffinity(int(task))}
+    Path(path).write_text(json.dumps({"threads": torch.get_num_threads(), "cpus": sorted(cpus)}))
+
+
+def vllm_binding(cpus: list[int]) -> dict[str, str]:
+    """What vLLM's executor sets for a worker bound to ``cpus`` with no OpenMP
+    runtime preloaded (vllm/utils/ompmultiprocessing.py, ``configure_omp_envs``)."""
+    return {
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
+        "OMP_PROC_BIND": "true",
+    }
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind one")
+@pytest.mark.parametrize("which", ["last", "first", "gomp list"])
+def test_engine_processes_take_the_openmp_binding_set_after_the_server_loaded_openmp(
+    tmp_path: Path, server: int, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """The server loaded OpenMP before vLLM set a worker's variables; the worker still
+    runs the thread count they ask for, on the CPUs they name (a forked worker kept
+    the server's: one thread per CPU, every CPU)."""
+    import json
+
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = [allowed[-1]] if which == "last" else [allowed[0]]
+    for name, value in vllm_binding(cpus).items():
+        monkeypatch.setenv(name, value)
+    if which == "gomp list":  # GNU OpenMP preloaded: vLLM names the CPUs one by one
+        cpus = allowed[:2]
+        monkeypatch.delenv("OMP_PLACES")
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, cpus)))
+    report_path = tmp_path / "report"
+    child = preloaded_context().Process(target=openmp_report, args=(str(report_path),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    assert json.loads(report_path.read_text()) == {"threads": len(cpus), "cpus": cpus}
+
+
 # What ``hsx serve`` has done when it forks the server: imported vLLM, bound its port,
 # and run its storage check on a thread pool whose worker now idles.
 FORK_HERE = """
