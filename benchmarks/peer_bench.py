@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks.common import Preforked, Row, Timer, print_rows
 from benchmarks.peer_side import PromptSet
+from service.engine.openmp import parse_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_PREFIXES = ("peer: ",)
@@ -146,14 +147,16 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   other load than wall time) and the most CPU that other processes used during any of its sets
   (as a share of the machine; before each side's process the bench waits up to
   {FULL.quiet_wait_s:.0f} s for the machine to be under {QUIET_PERCENT:.0f}% busy). Thread
-  binding, stated and equal: every side's process gets
-  `{BIND_VARIABLE}` set to all the CPUs it may use (here `0-1`, unless the caller set
-  the variable), meant to make vLLM's CPU worker bind one OpenMP thread per CPU on
-  every side whatever its reservation rules; the side's process records which CPUs
-  each of its engine's threads may run on, and that record shows the binding is not
-  applied: every thread may run on 0-1, on every side (the worker is forked from a
-  server whose OpenMP runtime loaded before vLLM set its variables, docs/cpu.md), so
-  every side's worker runs the same two unbound threads. Full mode: a random Llama of hidden
+  binding, stated and equal within each pair, and applied (`service/engine/openmp.py`;
+  each side records its workers' CPUs, and the bench stops if a pair's differ): each
+  pair binds both sides' workers (`{BIND_VARIABLE}`, the side's `--bind`) as vLLM's
+  `auto` binds that pair's vLLM side on this machine. hsx / peer: every CPU (here `0-1`;
+  `auto` reserves a CPU per rank plus one for a KV connector, and with two CPUs that
+  leaves none, so it binds the worker to both). hsx-plain / stock: every CPU but the
+  first (here `1`: `auto` reserves one for the engine core of an engine without a
+  connector), so the forward pass has its CPU to itself and the engine core, the
+  client and hsx's writer threads share the other. A binding the caller sets applies to
+  both pairs. Full mode: a random Llama of hidden
   {FULL.hidden}, {FULL.num_layers} layers (`service.engine.tiny_models.make_model`,
   layer ids {list(FULL.models[0].layers)}), and the demo model SmolLM2-135M-Instruct
   (layer ids {list(FULL.models[1].layers)}). At 2048 tokens a set of 64 prompts would
@@ -201,14 +204,26 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
 """
 
 
-def binding() -> str:
-    """The CPU list every side's worker is bound to: the caller's, or all our CPUs."""
+def binding(reserve: int = 0) -> tuple[str, str]:
+    """The CPUs a pair's workers are bound to and those left to everything else (the
+    side's client, its engine core, hsx's writer threads): the caller's binding and no
+    pinning of the rest, or the first ``reserve`` of our CPUs for the rest, as vLLM's
+    ``auto`` reserves them for a stock engine's other processes, and the others (all of
+    them when ``reserve`` is 0 or leaves none) for the workers."""
     if BIND_VARIABLE in os.environ:
-        return os.environ[BIND_VARIABLE]
+        return os.environ[BIND_VARIABLE], ""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cpus = cpus or list(range(os.cpu_count() or 1))
-    contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
-    return f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
+    if len(cpus) <= reserve:
+        reserve = 0
+    return _cpu_text(cpus[reserve:]), _cpu_text(cpus[:reserve])
+
+
+def _cpu_text(cpus: list[int]) -> str:
+    """[0, 1, 2] -> "0-2", [1] -> "1", [0, 2] -> "0,2", [] -> ""."""
+    if len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
 
 
 @dataclass(frozen=True)
@@ -220,6 +235,8 @@ class Launch:
     scratch: Path
     quiet_wait_s: float
     sides: Preforked
+    bind: str  # VLLM_CPU_OMP_THREADS_BIND of every side's engine
+    others: str = ""  # the CPUs of everything else of a side ("": not pinned)
 
 
 def wait_until_quiet(limit_s: float) -> None:
@@ -249,6 +266,7 @@ async def run_side(
         *("--model", str(launch.model), "--layers", ",".join(map(str, launch.layers))),
         *("--sets", ",".join(sets), "--seed", str(seed)),
         *("--work", str(launch.scratch / f"work-{name}"), "--out", str(out)),
+        *("--bind", launch.bind, "--others", launch.others),
     ]
     try:
         await launch.sides.run(*command, log=output, timeout_s=SIDE_TIMEOUT_S)
@@ -293,24 +311,29 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     a side's own process (``benchmarks.peer_side``, with ``benchmarks.common.timed``)."""
     del timer
     plan = QUICK if quick else FULL
-    bind = binding()
+    # Each pair's sides are bound as vLLM's ``auto`` binds that pair's vLLM side: the
+    # peer (a connector) on every CPU, the stock engine (none) on all but one.
+    bind, _ = binding()
+    stock_bind, stock_others = binding(reserve=1)
     peak = await asyncio.to_thread(matmul_peak, bind, plan.quiet_wait_s)
+    stock_peak = await asyncio.to_thread(matmul_peak, stock_bind, plan.quiet_wait_s)
     rows: list[Row] = []
-    env = {**os.environ, BIND_VARIABLE: bind}
-    async with Preforked.start(SIDE_PRELOAD, scratch / "sides.log", env) as sides:
+    async with Preforked.start(SIDE_PRELOAD, scratch / "sides.log") as sides:
         for index, model in enumerate(plan.models):
             directory = await asyncio.to_thread(_model, scratch, plan, model)
-            launch = Launch(directory, model.layers, scratch, plan.quiet_wait_s, sides)
+            launch = Launch(directory, model.layers, scratch, plan.quiet_wait_s, sides, bind)
             peer = await abba(launch, ("hsx", "peer"), model.sets, plan.rounds)
+            _check_binding(peer)
             rows += pair_rows("hsx / vLLM connector", model, peer, ">= 1.0")
             rows += mfu_rows(peak, directory, model, peer)
             if index == 0:
+                launch = dataclasses.replace(launch, bind=stock_bind, others=stock_others)
                 pair = ("hsx-plain", "stock")
                 stock = await abba(launch, pair, plan.stock_sets, plan.stock_rounds)
-                what = "hsx engine without extraction / stock vLLM"
+                _check_binding(stock)
+                what = f"hsx engine without extraction / stock vLLM, workers on CPUs {stock_bind}"
                 rows += pair_rows(what, model, stock, ">= 0.99")
-                rows += mfu_rows(peak, directory, model, stock)
-                _check_binding({**peer, **stock})
+                rows += mfu_rows(stock_peak, directory, model, stock)
                 rows += await suspect_rows(launch, model, plan)
     return rows
 
@@ -338,15 +361,15 @@ async def suspect_rows(launch: Launch, model: ModelPlan, plan: Plan) -> list[Row
 
 
 def _check_binding(results: dict[str, list[dict[str, Any]]]) -> None:
-    """Warn when the sides' engines ran on different CPU sets (the method requires the
-    same); the sets are in each side's result as ``thread_cpus``."""
+    """Raise when a pair's workers ran on different CPU sets (the method requires the
+    same): each side's result names its workers' CPUs (``worker_cpus``)."""
     seen = {
-        side: sorted({cpus for r in rounds for cpus in r["thread_cpus"]})
+        side: sorted({",".join(r["worker_cpus"]) for r in rounds})
         for side, rounds in results.items()
     }
-    log.info("peer bench: CPUs of the engines' threads per side: %s", seen)
+    log.info("peer bench: CPUs of the workers per side: %s", seen)
     if len({tuple(cpus) for cpus in seen.values()}) > 1:
-        log.warning("peer bench: the sides' engine threads ran on different CPU sets: %s", seen)
+        raise RuntimeError(f"peer bench: the sides' workers ran on different CPUs: {seen}")
 
 
 def _tok_s(tokens: float) -> str:
@@ -451,14 +474,7 @@ def mfu_rows(
 
 def bound_threads(bind: str) -> int:
     """The forward pass's thread count: the CPUs in ``bind`` (``VLLM_CPU_OMP_THREADS_BIND``)."""
-    cpus: set[int] = set()
-    for part in bind.replace("|", ",").split(","):
-        if "-" in part:
-            low, high = part.split("-")
-            cpus.update(range(int(low), int(high) + 1))
-        elif part.isdigit():
-            cpus.add(int(part))
-    return len(cpus) or os.cpu_count() or 1
+    return len(parse_cpus(bind.replace("|", ",")) or ()) or os.cpu_count() or 1
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ from typing import Any
 from benchmarks.common import fork_engine_server, timed
 from benchmarks.engine_sides import WARM_PROMPTS, Prompts, Side, extraction_side, plain_side
 from service.config import Settings
+from service.engine.openmp import parse_cpus
 
 SIDES = ("hsx", "hsx-plain", "peer", "stock", "stock-spec", "stock-malloc")
 #: The largest chunk of prompt tokens one engine step takes, on every side.
@@ -210,6 +211,20 @@ class MallocExtension:
         return fix_mmap_threshold()
 
 
+def worker_cpus() -> list[str]:
+    """The CPUs each of this side's vLLM workers (``VLLM::Worker`` processes) is bound
+    to, e.g. ``["1"]``: the binding the forward pass got (its writer threads, on an hsx
+    side, run elsewhere on purpose)."""
+    import psutil
+
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error, OSError, IndexError):
+            if process.cmdline()[0].startswith("VLLM::Worker"):
+                found.append(",".join(str(c) for c in sorted(os.sched_getaffinity(process.pid))))
+    return sorted(found)
+
+
 def thread_cpus() -> dict[str, int]:
     """How many threads of this process's descendants (the engine's processes) may run
     on which CPUs, e.g. ``{"0": 1, "1": 1, "0,1": 40}``: the binding each side got."""
@@ -298,7 +313,7 @@ async def one_round(args: argparse.Namespace) -> dict[str, Any]:
         for length in sorted({s.length for s in sets}):  # every shape once, untimed
             await side.run(prompts_for(PromptSet(length, WARM_PROMPTS, 1), -1))
             await side.clear()
-        bound = thread_cpus()
+        bound, workers = thread_cpus(), worker_cpus()
         results = {}
         for prompt_set in sets:
             results[prompt_set.name] = await timed_set(side, prompt_set, args.seed)
@@ -311,6 +326,7 @@ async def one_round(args: argparse.Namespace) -> dict[str, Any]:
         "thread_seconds": {name: r.threads for name, r in results.items()},
         "start_s": start_s,
         "thread_cpus": bound,
+        "worker_cpus": workers,
     }
 
 
@@ -326,12 +342,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-len", type=int, default=2064)
     parser.add_argument("--kv-gib", type=float, default=2.0)
+    parser.add_argument("--bind", help="VLLM_CPU_OMP_THREADS_BIND for this side's engine")
+    parser.add_argument(
+        "--others", help="CPUs for this process and the engine's processes but its workers"
+    )
     return parser.parse_args(argv)
 
 
 def main() -> None:
     """Run one side for one round; the result goes to ``--out`` as JSON."""
     args = parse_args()
+    if args.bind:  # read by vLLM's executor when it starts the worker
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
+    if args.others:  # inherited by the engine core; the workers bind themselves
+        os.sched_setaffinity(0, parse_cpus(args.others) or os.sched_getaffinity(0))
     fork_engine_server()  # each side alike: start-up only, not the timed sets
     result = asyncio.run(one_round(args))
     result["bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")

@@ -12,10 +12,11 @@ would run one thread per CPU of the server's affinity, unbound: TP=2 on two core
 four threads on both cores instead of one on each. ``take_openmp_settings`` does in the
 forked process what the runtime would have done at load, before any parallel region.
 
-The binding is applied per process (the union of the CPUs named): exactly what vLLM
-asks for with ``OMP_PLACES={a,b,...}`` (one place, every thread bound to all of it),
-and the CPUs, not the thread-by-thread order, of a ``GOMP_CPU_AFFINITY`` or
-``KMP_AFFINITY`` list.
+``OMP_PLACES={a,b,...}`` (one place) binds every thread to all of its CPUs: the
+process is bound to them. ``GOMP_CPU_AFFINITY`` and ``KMP_AFFINITY``'s proclist bind
+thread i to the i-th CPU: the team is started and each of its threads pinned so. vLLM's
+CPU platform preloads torch's GNU OpenMP (``LD_PRELOAD``), so what it writes is
+``GOMP_CPU_AFFINITY``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +40,46 @@ _PROCLIST = re.compile(r"proclist=\[([^\]]*)\]")
 def take_openmp_settings(environ: Mapping[str, str]) -> None:
     """Bind this process to the CPUs ``environ`` names for OpenMP, then size torch's
     OpenMP pool to its ``OMP_NUM_THREADS``, in that order (threads the pool starts
-    inherit the binding). Nothing for a variable that is absent or not understood."""
+    inherit the binding); where the variable lists CPUs thread by thread
+    (``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``'s proclist), start the pool and pin its
+    threads one CPU each, as the runtime would. Nothing for what is absent or not
+    understood."""
     cpus = bound_cpus(environ)
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as exc:  # none of them allowed here: the runtime would ignore it
-            log.warning("hsx: OpenMP binding to CPUs %s not applied: %s", sorted(cpus), exc)
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        cpus = None
+    elif not _set_affinity(0, cpus):
+        return  # the runtime ignores a binding it cannot apply: so does this
     threads = thread_count(environ)
-    if threads is not None:
-        import torch
+    if threads is None:
+        return
+    import torch
 
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # also starts torch's pthreadpool, not OpenMP's team
+    order = per_thread_cpus(environ)
+    if cpus and order and threads > 1:
+        _pin_team(torch, threads, order)
+
+
+def _set_affinity(task: int, cpus: set[int]) -> bool:
+    try:
+        os.sched_setaffinity(task, cpus)
+    except OSError as exc:  # none of them allowed here (cpuset), or the task is gone
+        log.warning("hsx: OpenMP binding to CPUs %s not applied: %s", sorted(cpus), exc)
+        return False
+    return True
+
+
+def _pin_team(torch: Any, threads: int, order: list[int]) -> None:
+    """Start the OpenMP team (one parallel region over ``threads`` chunks), then pin
+    its threads (the ones the region started) in the order they were started, the main
+    thread first, to ``order``'s CPUs in turn, wrapping as GNU OpenMP does when there
+    are more threads than CPUs. Other threads (torch's pthreadpool) keep the process's
+    binding, as they would under the runtime."""
+    before = set(os.listdir("/proc/self/task"))
+    torch.ones(threads * (1 << 16)).add_(1)  # above at::parallel_for's grain per thread
+    team = sorted(int(task) for task in set(os.listdir("/proc/self/task")) - before)
+    for index, task in enumerate([os.getpid(), *team]):
+        _set_affinity(task, {order[index % len(order)]})
 
 
 def thread_count(environ: Mapping[str, str]) -> int | None:
@@ -60,6 +90,16 @@ def thread_count(environ: Mapping[str, str]) -> int | None:
     return int(first)
 
 
+def per_thread_cpus(environ: Mapping[str, str]) -> list[int] | None:
+    """The CPUs of ``KMP_AFFINITY``'s proclist or ``GOMP_CPU_AFFINITY`` in thread order
+    (thread i on the i-th), or None: ``OMP_PLACES`` binds every thread to its place."""
+    kmp = _PROCLIST.search(environ.get("KMP_AFFINITY", ""))
+    if kmp:
+        return _cpu_sequence(kmp.group(1).replace("{", "").replace("}", ""))
+    gomp = environ.get("GOMP_CPU_AFFINITY", "").strip()
+    return _cpu_sequence(gomp) if gomp else None
+
+
 def bound_cpus(environ: Mapping[str, str]) -> set[int] | None:
     """The CPUs vLLM's binding variables name (the one its executor wrote), or None.
 
@@ -67,22 +107,31 @@ def bound_cpus(environ: Mapping[str, str]) -> set[int] | None:
     ``proclist=[0,2-3]``, ``GOMP_CPU_AFFINITY``'s ``"0 1 4-7:2"`` and ``OMP_PLACES``'s
     ``{0,1},{2,3}`` (with ``OMP_PROC_BIND`` not ``false``); abstract places
     (``cores``) are left to the runtime."""
-    kmp = _PROCLIST.search(environ.get("KMP_AFFINITY", ""))
-    if kmp:
-        return _cpu_list(kmp.group(1).replace("{", "").replace("}", ""))
-    gomp = environ.get("GOMP_CPU_AFFINITY", "").strip()
-    if gomp:
-        return _cpu_list(gomp)
+    order = per_thread_cpus(environ)
+    if order is not None:
+        return set(order)
+    if (
+        "proclist=" in environ.get("KMP_AFFINITY", "")
+        or environ.get("GOMP_CPU_AFFINITY", "").strip()
+    ):
+        return None  # a per-thread list this does not understand: no binding at all
     bind = environ.get("OMP_PROC_BIND", "").strip().lower()
     places = _PLACE.findall(environ.get("OMP_PLACES", ""))
     if places and bind not in ("", "false"):
-        return _cpu_list(",".join(places))
+        return parse_cpus(",".join(places))
     return None
 
 
-def _cpu_list(text: str) -> set[int] | None:
-    """``"0 1,4-7:2"`` -> {0, 1, 4, 6}; None when any part is not a CPU number or range."""
-    cpus: set[int] = set()
+def parse_cpus(text: str) -> set[int] | None:
+    """``"0 1,4-7:2"`` -> {0, 1, 4, 6}; None when any part is not a CPU number or range,
+    or when there is none."""
+    sequence = _cpu_sequence(text)
+    return set(sequence) if sequence else None
+
+
+def _cpu_sequence(text: str) -> list[int] | None:
+    """``"1 0,4-7:2"`` -> [1, 0, 4, 6], in the order given; None as ``parse_cpus``."""
+    cpus: list[int] = []
     for part in re.split(r"[\s,]+", text.strip()):
         if not part:
             continue
@@ -94,5 +143,5 @@ def _cpu_list(text: str) -> set[int] | None:
         step = int(match.group(3) or 1)
         if end < start or step < 1 or end >= MAX_CPUS:
             return None
-        cpus.update(range(start, end + 1, step))
+        cpus.extend(range(start, end + 1, step))
     return cpus or None

@@ -14,7 +14,9 @@ fork server's child would take from the server instead; ``PreloadedProcess`` car
 them over:
 
 - the environment: vLLM and hsx set variables (the OpenMP binding, the data-parallel
-  rank's devices) just before they start a process;
+  rank's devices) just before they start a process; the OpenMP runtime read its own
+  in the server, so the thread count and binding they name are applied in the child
+  (``service.engine.openmp``);
 - standard output and error: a supervisor's or pytest's redirection may have changed
   since the server started;
 - the server itself: Python 3.11 would start a new, empty fork server in a fork
@@ -292,8 +294,9 @@ def _instead_of_spawn(original: Callable[[], BaseContext], context: BaseContext)
 
 def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...], poll_interval_s: float) -> None:
     """In the child, before its target runs: the parent's environment (with the OpenMP
-    thread count and binding it asks for) and output, the inherited fork server for any children, vLLM's starts routed to it again, and the
-    parent's poll interval (here and in this process's children)."""
+    thread count and binding it asks for) and output, the inherited fork server for any
+    children, vLLM's starts routed to it again, and the parent's poll interval (here and
+    in this process's children)."""
     _ready_process_title()
     os.environ.clear()
     os.environ.update(environ)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine.openmp import bound_cpus, thread_count
+from service.engine.openmp import bound_cpus, per_thread_cpus, thread_count
 
 
 @pytest.mark.parametrize(
@@ -31,13 +31,41 @@ from service.engine.openmp import bound_cpus, thread_count
         ({}, None),
     ],
 )
-def test_bound_cpus_reads_each_runtimes_form(environ: dict[str, str], cpus: set[int] | None) -> None:
+def test_bound_cpus_reads_each_runtimes_form(
+    environ: dict[str, str], cpus: set[int] | None
+) -> None:
     assert bound_cpus(environ) == cpus
 
 
 @pytest.mark.parametrize(
     ("value", "threads"),
-    [("4", 4), ("4,2", 4), (" 2 ", 2), ("0", None), ("-1", None), ("two", None), ("", None), ("٣", None), ("9" * 400, None)],
+    [
+        ("4", 4),
+        ("4,2", 4),
+        (" 2 ", 2),
+        ("0", None),
+        ("-1", None),
+        ("two", None),
+        ("", None),
+        ("٣", None),
+        ("9" * 400, None),
+    ],
 )
 def test_thread_count_reads_the_outermost_level(value: str, threads: int | None) -> None:
     assert thread_count({"OMP_NUM_THREADS": value}) == threads
+
+
+@pytest.mark.parametrize(
+    ("environ", "order"),
+    [
+        ({"GOMP_CPU_AFFINITY": "3 1 2"}, [3, 1, 2]),  # thread i on the i-th, as given
+        ({"GOMP_CPU_AFFINITY": "0-6:3"}, [0, 3, 6]),
+        ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,0]"}, [2, 0]),
+        ({"OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "true"}, None),  # places, not threads
+        ({"GOMP_CPU_AFFINITY": "0 -1"}, None),
+    ],
+)
+def test_per_thread_cpus_keeps_the_order_given(
+    environ: dict[str, str], order: list[int] | None
+) -> None:
+    assert per_thread_cpus(environ) == order
