@@ -152,11 +152,14 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   pair binds both sides' workers (`{BIND_VARIABLE}`, the side's `--bind`) as vLLM's
   `auto` binds that pair's vLLM side on this machine. hsx / peer: every CPU (here `0-1`;
   `auto` reserves a CPU per rank plus one for a KV connector, and with two CPUs that
-  leaves none, so it binds the worker to both). hsx-plain / stock: every CPU but the
-  first (here `1`: `auto` reserves one for the engine core of an engine without a
-  connector), so the forward pass has its CPU to itself and the engine core, the
-  client and hsx's writer threads share the other. A binding the caller sets applies to
-  both pairs. Full mode: a random Llama of hidden
+  leaves none, so it binds the worker to both; vLLM writes it as `GOMP_CPU_AFFINITY=0 1`,
+  the forward pass's main thread on CPU 0 and its OpenMP team thread on CPU 1).
+  hsx-plain / stock: every CPU but the first (here `1`: `auto` reserves one for the
+  engine core of an engine without a connector), and the side's own process, with the
+  engine core it starts, on the first (the side's `--others`): the forward pass has
+  its CPU to itself and the client, the engine core and hsx's writer threads share
+  the other. A binding the caller sets applies to both pairs, with nothing else
+  pinned. Full mode: a random Llama of hidden
   {FULL.hidden}, {FULL.num_layers} layers (`service.engine.tiny_models.make_model`,
   layer ids {list(FULL.models[0].layers)}), and the demo model SmolLM2-135M-Instruct
   (layer ids {list(FULL.models[1].layers)}). At 2048 tokens a set of 64 prompts would
@@ -174,33 +177,48 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   allocator setting).
   `--quick`: the tests' tiny model (hidden 128, 4 layers), two small sets, one round
   per side: it shows the bench runs; its numbers mean little.
-- **repeatability (issue 31)**: one pair at a time through the bench's own `abba` and
-  `pair_rows`, 4 rounds per side, two runs one after the other on a quiet machine
-  (2026-11-27, random Llama 512x8): hsx / peer at 64x256 tokens read 1.06 and 1.07
-  (8 in flight) and 1.04 and 1.06 (64 in flight); the 2-round full run before it had
-  1.01 and 0.98 for the same rows, and a 2-round run the same morning 0.85 and 0.88
-  (with other load), hence 4 rounds. hsx-plain / stock read 1.25 and 1.24 (64x256, 8
-  in flight) but 1.17 and 1.25 (16x256, 1 in flight): hsx's sides repeat within 2%
-  (hsx-plain 2704 and 2743 tok/s at 1 in flight, 3155 and 3105 at 8), the stock
-  side does not (2315 and 2190 tok/s at 1 in flight, per-round ratios 1.07-1.45). The
-  full run in the table, a third run at 4 rounds, read 1.04 and 1.08 for the two hsx /
-  peer rows and 1.26 and 1.17 for the two stock rows: three runs agree within 0.04
-  (hsx / peer) and 0.09 (hsx-plain / stock), not within 0.03. hsx's own sides repeat
-  (hsx 2764 and 2811 tok/s in the table against 2683-2784 in the pair runs); the sides
-  that spin in `sched_yield` (stock and peer, vLLM as shipped) get what the scheduler
-  leaves them beside the forward pass's threads, which varies from process to process
-  by 5-10% here, most with one prompt in flight (SmolLM2-135M 2x2048 tokens: 1.06 in
-  the 2-round run of the morning, 0.98 in the table, per-round ratios 0.92-1.05).
-  Later that evening, with every side forked from one process that imported vLLM
-  (`benchmarks/preforked.py`): a 4-round pair read 1.25 and 1.26 (16x256 at 1 and
-  64x256 at 8 in flight: as before); an 8-round pair over all four stock sets read
-  1.15, 1.08, 1.12 and 1.09 (stock 2248-2777 tok/s, against 2130-2423 in the 4-round
-  pair), so 8 rounds did not bring two runs within 0.03 either (64x256 at 8 in flight:
-  1.26 and 1.08). With `VLLM_CPU_OMP_THREADS_BIND=0` on both sides, two 4-round pairs
-  read 1.09 and 1.18 (1 in flight) and 1.19 and 1.19 (8 in flight), but every engine
-  thread still reported CPUs 0-1 in its affinity, so what the variable changed is not
-  shown. The stock rows' spread between runs of one day (up to 0.18) is what keeps
-  issue 31 open.
+- **repeatability (issue 31)**: until 2026-11-28 no side's binding held (the worker is
+  forked from a server whose OpenMP runtime loaded before vLLM set its variables,
+  docs/cpu.md): every side's forward pass ran two unbound threads. Then, with every side
+  at `0-1`, three 4-round runs of hsx / peer agreed within 0.04, and hsx-plain / stock
+  did not: 1.17-1.26 at 4 rounds and 1.08-1.15 at 8, up to 0.18 apart, the stock side
+  (vLLM's `sched_yield` spin, as shipped) getting what the scheduler left it beside the
+  forward pass. Since the binding holds (`service/engine/openmp.py`), the stock pair
+  runs with its workers on CPU 1 and everything else on CPU 0, as above. Runs of 4
+  rounds over the four stock sets, random Llama 512x8, 2026-11-28:
+
+  | run | 16x256, 1 in flight | 64x256, 8 | 64x256, 64 | 8x2048, 8 |
+  | --- | --- | --- | --- | --- |
+  | workers on 1, the rest not pinned | 0.96 | 0.94 | 0.97 | 0.95 |
+  | workers on 1, the rest on 0 (tests ran beside it: other load up to 48%) | 0.94 | 1.05 | 1.03 | 1.02 |
+  | the same, quiet | 0.98 | 0.98 | 1.06 | 1.05 |
+  | the same, quiet (the table's run) | 0.97 | 0.96 | 1.05 | 1.05 |
+
+  The two quiet runs of the method (the rest on CPU 0) agree within 0.02 on every set
+  (0.01, 0.02, 0.01, 0.00), against up to 0.18 before; the run with the test suite
+  beside it differs from them by up to 0.09, and the run with the rest not pinned reads
+  0.94-0.97. Per-round ratios within a quiet run are 0.94-1.10 (they were 1.03-1.45).
+  The target (0.99) is met at 64 in flight and at 2048 tokens (1.05), not at 1 and 8
+  in flight (0.96-0.98). Attempts on
+  the 1-in-flight gap, 2-set pairs with workers on 1 and the rest not pinned: hsx's
+  500 µs pause between queue polls 0.97 and 0.97 (64x256 at 8: 1.04, 1.03); 100 µs
+  0.96 (1.03); no pause, vLLM's spin, 1.00 (0.90); a stock engine with the
+  `extract_hidden_states` method and no connector / stock: 1.01 (1.04), so vLLM's
+  speculative method costs nothing here.
+- **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
+  began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
+  0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
+  (both bound as vLLM binds them) reads 0.75-0.99: the peer gained 6-31% (2123 to 2539
+  tok/s at 16x256 with 1 in flight, 577 to 753 on SmolLM2-135M at 8x256) and hsx lost
+  up to 22% (2254 to 1757 tok/s at 4x2048 with 1 in flight). So the earlier rows at or
+  above 1.0 compared hsx with a peer whose forward pass had lost its binding. The
+  suspect: pinned, the forward pass's main thread is on CPU 0 and its team thread on
+  CPU 1, and hsx's writer threads, which leave the main thread's CPU on purpose
+  (`service/engine/writer.py`, `_off_the_forward_pass`), now share CPU 1 with the team
+  thread; the peer's writer threads stay on the main thread's CPU 0. Tried: hsx's
+  writer threads free on both CPUs, a 4-round hsx / peer pair (16x256 at 1 and 64x256
+  at 8 in flight): 0.86 and 0.89, against 0.82 and 0.85 in the table; within the
+  noise, so not the cause, and not kept. Where the rest goes is open (issue 31).
 """
 
 
