@@ -190,7 +190,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   | run | 16x256, 1 in flight | 64x256, 8 | 64x256, 64 | 8x2048, 8 |
   | --- | --- | --- | --- | --- |
   | workers on 1, the rest not pinned | 0.96 | 0.94 | 0.97 | 0.95 |
-  | workers on 1, the rest on 0 (tests ran beside it: other load up to 48%) | 0.94 | 1.05 | 1.03 | 1.02 |
+  | workers on 1, the rest on 0 (tests beside it: other load 48%) | 0.94 | 1.05 | 1.03 | 1.02 |
   | the same, quiet | 0.98 | 0.98 | 1.06 | 1.05 |
   | the same, quiet (the table's run) | 0.97 | 0.96 | 1.05 | 1.05 |
 
