@@ -44,11 +44,10 @@ def take_openmp_settings(environ: Mapping[str, str]) -> None:
     (``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``'s proclist), start the pool and pin its
     threads one CPU each, as the runtime would. Nothing for what is absent or not
     understood."""
-    cpus = bound_cpus(environ)
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        cpus = None
-    elif not _set_affinity(0, cpus):
-        return  # the runtime ignores a binding it cannot apply: so does this
+    cpus = bound_cpus(environ) if hasattr(os, "sched_setaffinity") else None
+    # A binding the kernel refuses is ignored, as the runtime ignores it; the thread
+    # count still applies.
+    bound = bool(cpus) and _set_affinity(0, cpus or set())
     threads = thread_count(environ)
     if threads is None:
         return
@@ -56,7 +55,7 @@ def take_openmp_settings(environ: Mapping[str, str]) -> None:
 
     torch.set_num_threads(threads)  # also starts torch's pthreadpool, not OpenMP's team
     order = per_thread_cpus(environ)
-    if cpus and order and threads > 1:
+    if bound and order and threads > 1:
         _pin_team(torch, threads, order)
 
 
