@@ -13,8 +13,8 @@ whole worker. That put the forward pass's own activations of a megabyte or more 
 spent 2.0-2.8 s of every 10 in the kernel against 0.4 s on a stock engine
 (benchmarks/peer_bench.py, docs/profile.md). The worker now keeps glibc's default
 (dynamic) threshold, and the writer gives freed heap back with ``malloc_trim`` once a
-share of its in-flight ceiling has been released, and whenever it goes idle
-(:class:`Trimmer`): the forward pass reuses its heap between trims, and freed objects
+share of its in-flight ceiling has been released, and once it has been idle for
+``IDLE_TRIM_S`` (:class:`Trimmer`): the forward pass reuses its heap between trims, and freed objects
 leave RSS within a bounded number of bytes. ``fix_mmap_threshold`` stays for callers
 who want the old behaviour in a process of their own.
 """
@@ -59,11 +59,17 @@ def _glibc() -> ctypes.CDLL | None:
 
 #: The writer trims after releasing this share of its in-flight ceiling.
 TRIM_SHARE = 4
+#: ...and once it has stayed idle this long. Not at once: at one prompt in flight the
+#: writer goes idle after every object, and a trim then (1-2 ms, and it hands back the
+#: forward pass's free heap too, which the next forward faults back in) cost each
+#: answer 5-10 ms at 256 tokens (docs/profile.md, "The answer's path").
+IDLE_TRIM_S = 1.0
 
 
 class Trimmer:
-    """``malloc_trim(0)`` after every ``every`` bytes released, and when nothing is in
-    flight; does nothing where the C library is not glibc."""
+    """``malloc_trim(0)`` after every ``every`` bytes released (:meth:`released`), and
+    on request (:meth:`trim`, the writer's idle timer); does nothing where the C
+    library is not glibc."""
 
     def __init__(self, every: int) -> None:
         self.every = max(1, every)
@@ -72,15 +78,22 @@ class Trimmer:
         self._trim = None if libc is None else libc.malloc_trim
         #: Trims done (for tests and the bench's notes).
         self.count = 0
+        #: Releases counted: the idle timer trims only if none came since it started.
+        self.releases = 0
 
-    def released(self, nbytes: int, in_flight: int) -> bool:
-        """Count ``nbytes`` released (``in_flight`` left); trim if due. True if trimmed."""
+    def released(self, nbytes: int) -> bool:
+        """Count ``nbytes`` released; trim if a share is due. True if trimmed."""
+        self.releases += 1
+        self._since += nbytes
+        if self._since < self.every:
+            return False
+        return self.trim()
+
+    def trim(self) -> bool:
+        """Give freed heap back now; False where there is no ``malloc_trim``."""
+        self._since = 0
         if self._trim is None:
             return False
-        self._since += nbytes
-        if in_flight and self._since < self.every:
-            return False
-        self._since = 0
         self._trim(0)
         self.count += 1
         return True

@@ -34,7 +34,7 @@ from typing import Any, TypeVar, cast
 from service import codecs
 from service.client.models import LayerStatistics
 from service.config import StorageSettings
-from service.engine.allocator import TRIM_SHARE, Trimmer
+from service.engine.allocator import IDLE_TRIM_S, TRIM_SHARE, Trimmer
 from service.engine.completion import CompletionSender
 from service.engine.errors import (
     ExtractionError,
@@ -369,7 +369,6 @@ class WriterPool:
         # Release and send without an await between them: messages leave in the order
         # of releases, so the last one reports what is left in flight (0 when idle).
         in_flight, peak = self.budget.release(nbytes)
-        self._trimmer.released(nbytes, in_flight)
         completion = Completion(
             key=key,
             stored=stored,
@@ -379,6 +378,16 @@ class WriterPool:
             storage_ops=self._ops.drain(),
         )
         self._sender.send(completion)
+        # Trims after the answer has left: they take milliseconds.
+        self._trimmer.released(nbytes)
+        if in_flight == 0:
+            mark = self._trimmer.releases
+            asyncio.get_running_loop().call_later(IDLE_TRIM_S, self._trim_if_idle, mark)
+
+    def _trim_if_idle(self, mark: int) -> None:
+        """The idle timer: trim if nothing was reserved or released since it started."""
+        if self.budget.in_flight == 0 and self._trimmer.releases == mark:
+            self._trimmer.trim()
 
     def close(self, timeout: float = 60.0) -> None:
         """Wait for queued writes (up to ``timeout``), then release everything."""

@@ -21,6 +21,8 @@ from service.engine.completion import CompletionReceiver, CompletionSender
 from service.engine.jobs import CopyOut, PendingSave, WriteJob
 from service.engine.objects import object_metadata
 from service.engine.wire import Completion, WriteFailure
+from service.engine import writer
+from service.engine.allocator import _glibc
 from service.engine.writer import InFlightBudget, WriterPool
 from service.masks import Span
 from service.storage.keys import new_object_key
@@ -92,6 +94,27 @@ async def test_a_written_object_is_reported_with_its_storage_calls(rig: Rig) -> 
     assert completion.peak_bytes_in_flight == job.nbytes
     puts = [op for op in completion.storage_ops if op.operation == "put"]
     assert [(op.written, op.error) for op in puts] == [(len(data), None)]
+
+
+async def test_the_idle_trim_waits_until_the_writer_has_stayed_idle(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At one prompt in flight the writer goes idle after every object: the trim that
+    gives the heap back must not run then (it would cost every answer), only once no
+    write came for ``IDLE_TRIM_S``."""
+    if _glibc() is None:
+        pytest.skip("malloc_trim is glibc's")
+    monkeypatch.setattr(writer, "IDLE_TRIM_S", 0.6)
+    trimmer = rig.pool._trimmer
+    for _ in range(3):  # each write restarts the wait
+        await rig.write(rig.job(states()))
+        assert trimmer.count == 0
+    deadline = asyncio.get_running_loop().time() + 10
+    while trimmer.count == 0 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    assert trimmer.count == 1  # one trim for the idle period, not one per object
+    await asyncio.sleep(1.0)
+    assert trimmer.count == 1
 
 
 async def test_a_loss_mask_is_stored_and_its_tokens_counted(rig: Rig) -> None:
