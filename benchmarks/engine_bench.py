@@ -168,7 +168,7 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   threshold fixed at 1 MiB. The full bench's first run, before that fix, gave
   502 MiB against a bound of 384 MiB. The fixed threshold also put the forward pass's
   large activations on `mmap` (issue 31, `docs/profile.md`); the writer now trims the
-  heap instead (`malloc_trim` every quarter of the ceiling released, and when idle:
+  heap instead (`malloc_trim` every quarter of the ceiling released, and after 1 s idle:
   `service/engine/allocator.py`).
 """
 

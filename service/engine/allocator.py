@@ -14,9 +14,9 @@ spent 2.0-2.8 s of every 10 in the kernel against 0.4 s on a stock engine
 (benchmarks/peer_bench.py, docs/profile.md). The worker now keeps glibc's default
 (dynamic) threshold, and the writer gives freed heap back with ``malloc_trim`` once a
 share of its in-flight ceiling has been released, and once it has been idle for
-``IDLE_TRIM_S`` (:class:`Trimmer`): the forward pass reuses its heap between trims, and freed objects
-leave RSS within a bounded number of bytes. ``fix_mmap_threshold`` stays for callers
-who want the old behaviour in a process of their own.
+``IDLE_TRIM_S`` (:class:`Trimmer`): the forward pass reuses its heap between trims,
+and freed objects leave RSS within a bounded number of bytes. ``fix_mmap_threshold``
+stays for callers who want the old behaviour in a process of their own.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ says how). The ``/metrics`` gauge of the mean token norm is fed from them too.
 Sums are float64 over the finite values; the writer refuses non-finite states first
 (``validation.py``), so ``non_finite`` reads 0 for every stored object. The work is
 one pass over the states in chunks of at most ``CHUNK_VALUES`` values (five
-float64-accumulating reductions of each chunk), so the temporary memory stays small whatever the object's
-size; its cost is in docs/design.md ("Provenance and statistics").
+float64-accumulating reductions of each chunk), so the temporary memory stays small
+whatever the object's size; its cost is in docs/design.md ("Provenance and statistics").
 """
 
 from __future__ import annotations
