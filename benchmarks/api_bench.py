@@ -60,7 +60,9 @@ NOTES = """- **Prompts in the engine benches**: every timed batch is a fresh set
   Repeatability (issue 31): two runs of `python -m benchmarks.run --only api_bench`
   one after the other on a quiet machine gave 0.98 and 0.96 for the target row on
   2026-11-25 and 0.99 and 0.96 (0.991 and 0.955) on 2026-11-27, at 16 rounds; at 48
-  rounds two runs on 2026-11-27 gave 0.979 and 0.980 (the table shows the second).
+  rounds two runs on 2026-11-27 gave 0.979 and 0.980, and two on 2026-11-28, with
+  vLLM's binding held in the engine (docs/cpu.md), 0.958 and 0.971 (the table shows
+  the second).
 - **one short prompt, added latency**: a 4-token prompt, one at a time, in 8 blocks of
   10 each way (ABBA order, after a warm-up); the columns are the medians of all 80. What
   HTTP adds is the median over the 8 block pairs of (HTTP block median - in-process
