@@ -92,11 +92,19 @@ def thread_count(environ: Mapping[str, str]) -> int | None:
 def per_thread_cpus(environ: Mapping[str, str]) -> list[int] | None:
     """The CPUs of ``KMP_AFFINITY``'s proclist or ``GOMP_CPU_AFFINITY`` in thread order
     (thread i on the i-th), or None: ``OMP_PLACES`` binds every thread to its place."""
-    kmp = _PROCLIST.search(environ.get("KMP_AFFINITY", ""))
-    if kmp:
-        return _cpu_sequence(kmp.group(1).replace("{", "").replace("}", ""))
+    text = _per_thread_list(environ)
+    return None if text is None else _cpu_sequence(text)
+
+
+def _per_thread_list(environ: Mapping[str, str]) -> str | None:
+    """The text of the thread-by-thread CPU list vLLM wrote (``""`` for a proclist this
+    cannot read), or None when it wrote none."""
+    kmp = environ.get("KMP_AFFINITY", "")
+    if "proclist=" in kmp:
+        found = _PROCLIST.search(kmp)
+        return found.group(1).replace("{", "").replace("}", "") if found else ""
     gomp = environ.get("GOMP_CPU_AFFINITY", "").strip()
-    return _cpu_sequence(gomp) if gomp else None
+    return gomp or None
 
 
 def bound_cpus(environ: Mapping[str, str]) -> set[int] | None:
@@ -106,14 +114,9 @@ def bound_cpus(environ: Mapping[str, str]) -> set[int] | None:
     ``proclist=[0,2-3]``, ``GOMP_CPU_AFFINITY``'s ``"0 1 4-7:2"`` and ``OMP_PLACES``'s
     ``{0,1},{2,3}`` (with ``OMP_PROC_BIND`` not ``false``); abstract places
     (``cores``) are left to the runtime."""
-    order = per_thread_cpus(environ)
-    if order is not None:
-        return set(order)
-    if (
-        "proclist=" in environ.get("KMP_AFFINITY", "")
-        or environ.get("GOMP_CPU_AFFINITY", "").strip()
-    ):
-        return None  # a per-thread list this does not understand: no binding at all
+    listed = _per_thread_list(environ)
+    if listed is not None:  # one not understood: no binding at all
+        return parse_cpus(listed)
     bind = environ.get("OMP_PROC_BIND", "").strip().lower()
     places = _PLACE.findall(environ.get("OMP_PLACES", ""))
     if places and bind not in ("", "false"):
