@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from service.metrics import ExtractorMetrics, StoreCollector
 from service.storage import scheme_of
 from service.storage.local import root_from_url
 from service.storage.sweeper import sweep_forever
+from service.threads import named_pool
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ async def build_state(edge: _Edge, extractor: ExtractorLike) -> ApiState:
             capacity["hidden_state_memory_bytes"] >> 20,
             len(edge.engine_metrics.layouts),
         )
-    pool = ThreadPoolExecutor(settings.limits.tokenizer_threads, thread_name_prefix="hsx-tokenize")
+    pool = named_pool(settings.limits.tokenizer_threads, "hsx-tokenize")
     return ApiState(
         settings=settings,
         keys=edge.keys,

@@ -57,6 +57,7 @@ from service.packed import pack
 from service.storage import ObjectRef, StorageError, StorageOp, open_storage
 from service.storage import StorageFullError as StoreFull
 from service.storage.expiry import expires_at
+from service.threads import name_os_thread, named_pool
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class LoopThread:
         self._thread.start()
 
     def _run(self, before: Callable[[], None]) -> None:
+        name_os_thread()
         before()
         self.loop.run_forever()
 
@@ -297,7 +299,7 @@ class WriterPool:
         self._ops = OpBuffer()
         # Encoding runs torch ops in these threads: one intra-op thread each, or every
         # writer spins up its own OpenMP team against the forward pass's cores.
-        encoders = ThreadPoolExecutor(max_concurrent_writes, "hsx-encode", _one_torch_thread)
+        encoders = named_pool(max_concurrent_writes, "hsx-encode", _one_torch_thread)
         forward_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         # Off the forward pass's CPUs before any thread of ours is started.
         self._loop = LoopThread("hsx-writer", encoders, lambda: _off_the_forward_pass(forward_cpus))

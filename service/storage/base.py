@@ -35,14 +35,11 @@ import asyncio
 import hashlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-# The errors live in a leaf module so that ``keys`` (which raises InvalidKeyError) needs
-# nothing from here; they stay importable from ``service.storage.base`` as before.
 from service.storage.errors import (
     AlreadyExistsError,
     IntegrityError,
@@ -54,6 +51,10 @@ from service.storage.errors import (
     StorageUnavailableError,
 )
 from service.storage.keys import is_key, validate_key, validate_key_prefix
+
+# The errors live in a leaf module so that ``keys`` (which raises InvalidKeyError) needs
+# nothing from here; they stay importable from ``service.storage.base`` as before.
+from service.threads import named_pool
 
 __all__ = [
     "CHUNK",
@@ -344,7 +345,7 @@ class ThreadedStorage(Storage):
     """
 
     def __init__(self, io_threads: int, name: str) -> None:
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=name)
+        self._pool = named_pool(io_threads, name)
 
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

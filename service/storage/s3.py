@@ -25,7 +25,6 @@ import hashlib
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -51,6 +50,7 @@ from service.storage.base import (
 )
 from service.storage.expiry import EXPIRES_AT_TAG, TTL_DAYS_TAG, is_expired, ttl_days
 from service.storage.keys import validate_key
+from service.threads import named_pool
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class S3Storage(ThreadedStorage):
         self.create_only = create_only
         # Every io thread may run a multipart upload with max_concurrency parts at once.
         super().__init__(io_threads, "hsx-s3")
-        self._parts = ThreadPoolExecutor(options.max_concurrency, thread_name_prefix="hsx-s3-part")
+        self._parts = named_pool(options.max_concurrency, "hsx-s3-part")
         self.client = make_client(options, pool_size=io_threads + options.max_concurrency)
         self._retries = 0
         self._lock = threading.Lock()

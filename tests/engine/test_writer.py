@@ -275,9 +275,11 @@ async def test_close_drains_queued_writes(
 )
 def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path: Path) -> None:
     # vLLM's CPU worker binds the forward pass's thread to one CPU before our connector
-    # starts the pool from it; the writer's threads must not all share that CPU.
+    # starts the pool from it; the writer's threads must not all share that CPU. Each
+    # carries its name to the OS too (what /proc, top -H and perf show).
     forward = min(os.sched_getaffinity(0))
     seen: dict[str, set[int]] = {}
+    os_names: dict[str, str] = {}
     # Only this pool's threads: a full run has other tests' storage threads alive,
     # started from unbound threads, and bound to every CPU.
     before = set(threading.enumerate())  # Thread objects: idents are reused
@@ -289,13 +291,16 @@ def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path
             receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")
             receiver.start()
             rig = Rig(tmp_path / "objects", receiver)
-            done = await rig.write(rig.job(states()))
+            # Past storage.local.PARALLEL_HASH_BYTES: hashed on a thread of its own.
+            done = await rig.write(rig.job(torch.randn(600, 2, 512)))
             assert done.stored is not None
             for thread in threading.enumerate():
                 if thread in before or thread.native_id is None:
                     continue
                 if thread.name.startswith("hsx-"):
                     seen[thread.name] = os.sched_getaffinity(thread.native_id)
+                    comm = Path(f"/proc/self/task/{thread.native_id}/comm")
+                    os_names[thread.name] = comm.read_text().strip()
             await asyncio.to_thread(rig.pool.close)
             await receiver.close()
 
@@ -305,5 +310,6 @@ def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path
     worker.start()
     worker.join(60)
     names = {re.sub(r"_\d+$", "", name) for name in seen}
-    assert {"hsx-writer", "hsx-encode", "hsx-local"} <= names
+    assert {"hsx-writer", "hsx-encode", "hsx-local", "hsx-hash"} <= names
     assert all(cpus and forward not in cpus for cpus in seen.values()), seen
+    assert os_names == {name: name for name in seen}
