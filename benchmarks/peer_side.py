@@ -262,7 +262,9 @@ def _own_seconds() -> float:
 def thread_seconds() -> dict[str, float]:
     """CPU seconds so far of every thread of this process and its descendants, summed by
     ``process name/thread name`` as the kernel has them (``VLLM::Worker/gloo_tcp_loop``;
-    threads Python started keep their process's name): where a side's CPU goes, for
+    threads Python started keep their process's name, unless they name themselves, as
+    hsx's pool threads do, ``service/threads.py``; a thread a named thread starts, a
+    library's own, inherits that name): where a side's CPU goes, for
     ``docs/profile.md``."""
     import psutil
 

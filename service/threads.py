@@ -14,10 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 def name_os_thread() -> None:
-    """Give the calling thread's Python name to the OS thread (first 15 bytes)."""
-    import setproctitle  # vLLM names its processes with it
+    """Give the calling thread's Python name to the OS thread (first 15 bytes).
 
-    setproctitle.setthreadtitle(threading.current_thread().name)
+    Best effort: a name is for tools, so a missing ``setproctitle`` or a refusal leaves
+    the thread as it was, never breaks the pool that calls this from its start-up hook.
+    Threads that a named thread starts (libraries' own) inherit its name on Linux.
+    """
+    try:
+        import setproctitle  # vLLM names its processes with it
+
+        setproctitle.setthreadtitle(threading.current_thread().name)
+    except (ImportError, OSError):
+        pass
 
 
 def named_pool(

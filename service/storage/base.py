@@ -40,6 +40,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+# The errors live in a leaf module so that ``keys`` (which raises InvalidKeyError) needs
+# nothing from here; they stay importable from ``service.storage.base`` as before.
 from service.storage.errors import (
     AlreadyExistsError,
     IntegrityError,
@@ -51,9 +53,6 @@ from service.storage.errors import (
     StorageUnavailableError,
 )
 from service.storage.keys import is_key, validate_key, validate_key_prefix
-
-# The errors live in a leaf module so that ``keys`` (which raises InvalidKeyError) needs
-# nothing from here; they stay importable from ``service.storage.base`` as before.
 from service.threads import named_pool
 
 __all__ = [

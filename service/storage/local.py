@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
@@ -279,17 +280,29 @@ class LocalStorage(ThreadedStorage):
 
     def _write_all(self, fd: int, source: Source) -> str:
         """Write ``source`` to ``fd`` (fsync'd when configured, then closed); its SHA-256."""
-        if source.path is None and source.size >= PARALLEL_HASH_BYTES:
-            hashing = self._hashers.submit(source.sha256)
+        hashing = self._hash_aside(source)
+        if hashing is not None:
             try:
                 self._write_pieces(fd, source, None)
-            finally:
-                # Never leave the hash reading buffers the caller may free once we return.
-                digest = hashing.result()
-            return digest
+            except BaseException:
+                # Never leave the hash reading buffers the caller may free once we
+                # return; the write's error is the one to report.
+                hashing.exception()
+                raise
+            return hashing.result()
         sha = hashlib.sha256()
         self._write_pieces(fd, source, sha)
         return sha.hexdigest()
+
+    def _hash_aside(self, source: Source) -> Future[str] | None:
+        """``source``'s SHA-256 started on a hash thread, or None: hash it while writing
+        (small or file-backed sources, or a pool that no longer takes work, at exit)."""
+        if source.path is not None or source.size < PARALLEL_HASH_BYTES:
+            return None
+        try:
+            return self._hashers.submit(source.sha256)
+        except RuntimeError:  # shut down (interpreter exit) or broken
+            return None
 
     def _write_pieces(self, fd: int, source: Source, sha: hashlib._Hash | None) -> None:
         try:

@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,16 @@ async def test_close_drains_queued_writes(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs two CPUs and Linux affinity",
 )
+def os_thread_name(thread: threading.Thread, wait_s: float = 2.0) -> str:
+    """The kernel's name of ``thread``: a pool thread names itself in its start-up hook,
+    just after it starts, so a thread started a moment ago gets a little time."""
+    comm = Path(f"/proc/self/task/{thread.native_id}/comm")
+    deadline = time.monotonic() + wait_s
+    while (name := comm.read_text().strip()) != thread.name and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return name
+
+
 def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path: Path) -> None:
     # vLLM's CPU worker binds the forward pass's thread to one CPU before our connector
     # starts the pool from it; the writer's threads must not all share that CPU. Each
@@ -299,8 +310,7 @@ def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path
                     continue
                 if thread.name.startswith("hsx-"):
                     seen[thread.name] = os.sched_getaffinity(thread.native_id)
-                    comm = Path(f"/proc/self/task/{thread.native_id}/comm")
-                    os_names[thread.name] = comm.read_text().strip()
+                    os_names[thread.name] = os_thread_name(thread)
             await asyncio.to_thread(rig.pool.close)
             await receiver.close()
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -27,9 +29,10 @@ from service.storage import (
     open_backend,
     open_storage,
 )
-from service.storage.base import Swept
+from service.storage.base import Source, Swept
 from service.storage.local import (
     EXPIRY_PREFIX,
+    PARALLEL_HASH_BYTES,
     TEMP_PREFIX,
     LocalStorage,
     expiry_path,
@@ -338,3 +341,34 @@ async def test_delete_removes_the_sidecar_too(tmp_path: Path) -> None:
     await storage.delete(key)
     assert files_under(storage.root) == []
     await storage.close()
+
+
+async def test_large_objects_hash_on_their_own_thread_and_fall_back_when_it_is_gone(
+    local: LocalStorage,
+) -> None:
+    # From PARALLEL_HASH_BYTES up the SHA-256 runs on a hash thread beside the write; a
+    # pool that takes no more work (interpreter exit) leaves the put to hash inline.
+    pieces = [b"head", payload(PARALLEL_HASH_BYTES + 5, seed=8), payload(999, seed=9)]
+    whole = b"".join(pieces)
+    ref = await local.put(fresh_key(), pieces)
+    assert (ref.size, ref.sha256) == (len(whole), hashlib.sha256(whole).hexdigest())
+    hash_threads = [t for t in threading.enumerate() if t.name.startswith("hsx-hash")]
+    assert hash_threads  # the parallel path ran
+    local._hashers.shutdown(wait=True)
+    key = fresh_key()
+    ref = await local.put(key, pieces)
+    assert ref.sha256 == hashlib.sha256(whole).hexdigest()
+    assert await local.get(key) == whole
+    assert [p.name for p in local.root.rglob(f"{TEMP_PREFIX}*")] == []
+
+
+async def test_a_file_backed_source_is_hashed_inline_and_written_whole(
+    local: LocalStorage, tmp_path: Path
+) -> None:
+    source = tmp_path / "big.bin"
+    source.write_bytes(payload(2 * PARALLEL_HASH_BYTES, seed=10))
+    digest = local._write_all(
+        os.open(tmp_path / "copy.bin", os.O_WRONLY | os.O_CREAT), Source(path=source)
+    )
+    assert digest == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert (tmp_path / "copy.bin").read_bytes() == source.read_bytes()
