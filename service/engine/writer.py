@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -183,11 +184,20 @@ class _Encoded:
     num_tokens: int
     num_loss_tokens: int | None
     layer_ids: tuple[int, ...]
-    statistics: LayerStatistics
+    statistics: LayerStatistics | None
+    """None until :meth:`with_statistics` (``encode(..., defer_statistics=True)``)."""
+    states: Any = None
+    """The states the deferred statistics describe; dropped once they are computed."""
 
     @property
     def nbytes(self) -> int:
         return sum(memoryview(part).nbytes for part in self.parts)
+
+    def with_statistics(self) -> _Encoded:
+        """This object with its deferred statistics computed (blocking: run on a thread)."""
+        if self.statistics is not None:
+            return self
+        return dataclasses.replace(self, statistics=layer_statistics(self.states), states=None)
 
     def stored(
         self,
@@ -227,6 +237,7 @@ class _Encoded:
         transfer: TransferManifest | None = None,
     ) -> StoredObject:
         """The completion's record of this object, wherever its bytes went."""
+        assert self.statistics is not None, "statistics deferred and never computed"
         return StoredObject(
             key=key,
             uri=uri,
@@ -244,9 +255,12 @@ class _Encoded:
         )
 
 
-def encode(job: WriteJob) -> _Encoded:
+def encode(job: WriteJob, *, defer_statistics: bool = False) -> _Encoded:
     """Wait for ``job``'s copy, validate, serialise: one thread hop for all three.
 
+    The per-layer statistics are computed here too, unless ``defer_statistics``: then
+    the result keeps the states and :meth:`_Encoded.with_statistics` computes them, so
+    that they can run beside the put (they go in the report, not in the object).
     Raises InvalidStatesError for states a reader must not get (``validation.py``).
     """
     import torch
@@ -260,7 +274,8 @@ def encode(job: WriteJob) -> _Encoded:
     # states, before any lossy codec: what the statistics describe.
     states = codecs.restore(save.codec, tensors) if job.copy.prepared else job.copy.states
     check_states(states, layer_ids)
-    statistics = layer_statistics(states)
+    statistics = None if defer_statistics else layer_statistics(states)
+    kept = states if defer_statistics else None
     del states
     mask = None if save.loss_spans is None else loss_mask(save.loss_spans, len(save.token_ids))
     token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
@@ -277,6 +292,7 @@ def encode(job: WriteJob) -> _Encoded:
         num_loss_tokens=None if mask is None else int(mask.sum()),
         layer_ids=save.layer_ids,
         statistics=statistics,
+        states=kept,
     )
 
 
@@ -325,17 +341,21 @@ class WriterPool:
         async with self._limit:
             start = time.perf_counter()
             try:
-                encoded = await asyncio.to_thread(encode, job)
+                aside = inline_bytes is None and _statistics_aside(job)
+                encoded = await asyncio.to_thread(encode, job, defer_statistics=aside)
                 ttl_s = job.save.ttl_s
-                # Encoded: the host copy can go, unless the parts are its memory (raw,
-                # and on CUDA the device-encoded codecs: the parts view the pinned
-                # buffer, so it is released only after the put, in `finally`).
                 del job
-                nbytes = self.budget.shrink(nbytes, encoded.nbytes)
-                if inline_bytes is not None:
-                    stored = encoded.inline(key, inline_bytes, time.perf_counter() - start)
+                if aside:
+                    stored = await self._put_beside_statistics(key, encoded, ttl_s, start)
                 else:
-                    stored = await self._put(key, encoded, ttl_s, start)
+                    # Encoded: the host copy can go, unless the parts are its memory (raw,
+                    # and on CUDA the device-encoded codecs: the parts view the pinned
+                    # buffer, so it is released only after the put, in `finally`).
+                    nbytes = self.budget.shrink(nbytes, encoded.nbytes)
+                    if inline_bytes is not None:
+                        stored = encoded.inline(key, inline_bytes, time.perf_counter() - start)
+                    else:
+                        stored = await self._put(key, encoded, ttl_s, start)
             except Exception as exc:
                 failure = _failure(exc)
                 log.warning("hidden-state object %s not written: %s", key, failure.message)
@@ -347,18 +367,45 @@ class WriterPool:
         self, key: str, encoded: _Encoded, ttl_s: int | None, start: float
     ) -> StoredObject:
         """Publish ``encoded`` in the store's container; its record once durable."""
+        ref, transfer = await self._publish(key, encoded, ttl_s)
+        return encoded.stored(key, ref, time.perf_counter() - start, transfer)
+
+    async def _put_beside_statistics(
+        self, key: str, encoded: _Encoded, ttl_s: int | None, start: float
+    ) -> StoredObject:
+        """:meth:`_put`, with the deferred statistics computed on an encode thread
+        meanwhile: they fill the put's waits (fsync, the network) instead of coming
+        before it. The put's error wins; an object whose statistics fail is removed,
+        so that no key stays that no completion reports."""
+        statistics = asyncio.ensure_future(asyncio.to_thread(encoded.with_statistics))
+        try:
+            ref, transfer = await self._publish(key, encoded, ttl_s)
+        except BaseException:
+            # Never return while a thread still reads the states (released after us).
+            await asyncio.wait([statistics])
+            raise
+        try:
+            done = await statistics
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._storage.delete(key)
+            raise
+        return done.stored(key, ref, time.perf_counter() - start, transfer)
+
+    async def _publish(
+        self, key: str, encoded: _Encoded, ttl_s: int | None
+    ) -> tuple[ObjectRef, TransferManifest | None]:
+        """Put ``encoded`` in the store's container; its reference once durable."""
         # The expiry counts from publishing, when the object becomes readable.
         expiry = expires_at(ttl_s)
         if self._storage.container != "packed":
-            ref = await self._storage.put(key, encoded.parts, expires_at=expiry)
-            return encoded.stored(key, ref, time.perf_counter() - start)
+            return await self._storage.put(key, encoded.parts, expires_at=expiry), None
         # hs-connectors' layout: the same tensors (views, not copies) at aligned offsets.
         packed = pack(encoded.parts, key)
         ref = await self._storage.put(key, packed.parts, expires_at=expiry)
         manifest = packed.manifest
         manifest["metadata"]["sha256"] = ref.sha256
-        transfer = TransferManifest.model_validate(manifest)
-        return encoded.stored(key, ref, time.perf_counter() - start, transfer)
+        return ref, TransferManifest.model_validate(manifest)
 
     async def _complete(
         self,
@@ -420,6 +467,19 @@ def _failure(exc: Exception) -> WriteFailure:
 def _type_of(error: ExtractionError | type[ExtractionError]) -> FailureType:
     # Every class a writer reports has a wire name (wire.FailureType).
     return cast(FailureType, error.error_type)
+
+
+#: States of at least this many bytes get their statistics beside the put; smaller ones
+#: before it, on the same thread hop as the validation (a second hop would cost more
+#: than the statistics of a small object take).
+STATISTICS_ASIDE_BYTES = 1 << 20
+
+
+def _statistics_aside(job: WriteJob) -> bool:
+    """Whether ``job``'s statistics run beside its put: large states copied to host
+    memory as they are. Device-encoded ones (``copy.prepared``) keep theirs before it,
+    which would otherwise hold a decoded full-precision copy through the put."""
+    return not job.copy.prepared and job.copy.states.nbytes >= STATISTICS_ASIDE_BYTES
 
 
 def _off_the_forward_pass(forward_cpus: set[int]) -> None:

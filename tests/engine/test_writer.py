@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import math
 import os
 import re
 import threading
@@ -23,6 +24,7 @@ from service.engine.allocator import _glibc
 from service.engine.completion import CompletionReceiver, CompletionSender
 from service.engine.jobs import CopyOut, PendingSave, WriteJob
 from service.engine.objects import object_metadata
+from service.engine.statistics import layer_statistics
 from service.engine.wire import Completion, WriteFailure
 from service.engine.writer import InFlightBudget, WriterPool
 from service.masks import Span
@@ -216,6 +218,66 @@ def _failure() -> WriteFailure:
     return WriteFailure(type="internal_error", message="copy-out failed")
 
 
+#: [tokens, layers, hidden] of states under and over ``writer.STATISTICS_ASIDE_BYTES``.
+SMALL, LARGE = (5, 3, 8), (160, 4, 512)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["before-the-put", "beside-the-put"])
+async def test_the_statistics_describe_the_stored_states_wherever_they_run(
+    rig: Rig, shape: tuple[int, int, int]
+) -> None:
+    assert (math.prod(shape) * 4 >= writer.STATISTICS_ASIDE_BYTES) == (shape == LARGE)
+    values = states(*shape)
+    completion = await rig.write(rig.job(values.clone()))
+    assert completion.stored is not None
+    assert completion.stored.statistics == layer_statistics(values)
+    assert torch.equal(load_file(rig.root / completion.key)["hidden_states"], values)
+    assert completion.bytes_in_flight == 0
+
+
+async def test_a_failed_put_waits_for_the_statistics_beside_it(rig: Rig) -> None:
+    # The states are the host copy's memory: released after the put, so the statistics
+    # thread must be done with them by then, also when the put fails.
+    job = rig.job(states(*LARGE), namespace="fail-here")
+    reading: list[bool] = []
+    original = writer._Encoded.with_statistics
+
+    def slow(encoded: writer._Encoded) -> writer._Encoded:
+        reading.append(True)
+        time.sleep(0.3)  # longer than the failing put
+        done = original(encoded)
+        reading.append(False)
+        return done
+
+    copy = dataclasses.replace(job.copy, release=lambda: reading.append(reading[-1]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(writer._Encoded, "with_statistics", slow)
+        completion = await rig.write(dataclasses.replace(job, copy=copy))
+    assert completion.failure is not None
+    assert completion.failure.type == "storage_error"
+    assert reading == [True, False, False]  # released once, after the statistics ended
+    assert completion.bytes_in_flight == 0
+
+
+async def test_an_object_whose_statistics_fail_is_removed(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(_states: torch.Tensor) -> None:
+        raise RuntimeError("injected statistics failure")
+
+    monkeypatch.setattr(writer, "layer_statistics", broken)
+    job = rig.job(states(*LARGE))
+    completion = await rig.write(job)
+    assert completion.failure is not None
+    assert completion.failure.type == "internal_error"
+    assert "injected statistics failure" in completion.failure.message
+    # Written beside the statistics, then removed: no key stays that nobody reports.
+    assert [op.operation for op in completion.storage_ops] == ["put", "delete"]
+    assert not (rig.root / job.key).exists()
+    assert [p.name for p in rig.root.rglob("*") if p.is_file()] == []
+    assert completion.bytes_in_flight == 0
+
+
 async def test_failures_are_reported_and_release_their_bytes(rig: Rig) -> None:
     job = rig.job(states(), namespace="fail-here")
     completion = await rig.write(job)
@@ -270,10 +332,6 @@ async def test_close_drains_queued_writes(
     assert completions[-1].bytes_in_flight == 0 or any(c.bytes_in_flight == 0 for c in completions)
 
 
-@pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="needs two CPUs and Linux affinity",
-)
 def os_thread_name(thread: threading.Thread, wait_s: float = 2.0) -> str:
     """The kernel's name of ``thread``: a pool thread names itself in its start-up hook,
     just after it starts, so a thread started a moment ago gets a little time."""
@@ -284,6 +342,10 @@ def os_thread_name(thread: threading.Thread, wait_s: float = 2.0) -> str:
     return name
 
 
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs and Linux affinity",
+)
 def test_writer_threads_run_off_the_cpu_of_the_thread_that_started_them(tmp_path: Path) -> None:
     # vLLM's CPU worker binds the forward pass's thread to one CPU before our connector
     # starts the pool from it; the writer's threads must not all share that CPU. Each
