@@ -195,14 +195,19 @@ class Preforked:
         tail = (await asyncio.to_thread(self._log.read_text, errors="replace"))[-4000:]
         raise RuntimeError(f"the preforked process exited:\n{tail}")
 
-    async def run(self, module: str, *args: str, log: Path, timeout_s: float | None = None) -> str:
-        """``python -m module args`` in a forked child, its output going to ``log``;
-        the output. A failure raises with the output's tail; past ``timeout_s`` the
-        child is killed and ``TimeoutError`` raised."""
+    async def ready(self) -> None:
+        """Wait until the process has imported ``preload`` (its CPU work is done)."""
         async with self._one:
             if not self._ready:
                 await self._answer()  # {"ready": true}: the imports are done
                 self._ready = True
+
+    async def run(self, module: str, *args: str, log: Path, timeout_s: float | None = None) -> str:
+        """``python -m module args`` in a forked child, its output going to ``log``;
+        the output. A failure raises with the output's tail; past ``timeout_s`` the
+        child is killed and ``TimeoutError`` raised."""
+        await self.ready()
+        async with self._one:
             assert self._proc.stdin is not None
             job = {"module": module, "args": list(args), "log": str(log)}
             self._proc.stdin.write((json.dumps(job) + "\n").encode())

@@ -131,9 +131,14 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   (`engine.cpu_poll_interval_us`, its default), the stock and peer sides keep vLLM's
   `sched_yield` spin, as shipped.
 - **method**: each measurement is a process of its own (`benchmarks.peer_side`, as
-  `python -m` would run it, forked from one process that imported vLLM once:
-  `benchmarks/preforked.py`, 8 CPU-seconds less start-up per side; the engine's own
-  processes are forked from the side's fork server either way), which starts one
+  `python -m` would run it, forked from a process started for that side and round
+  alone, which imported vLLM before the bench waits for a quiet machine:
+  `benchmarks/preforked.py`; the engine's own processes are forked from the side's fork
+  server either way. Until 2026-11-28 one such process served a whole run: its children
+  share its memory layout, address-space randomisation happens once per process, and
+  the layout is worth a few percent to one side or another, so rounds agreed and runs
+  did not; a fresh one per side and round makes it vary between rounds, which ABBA
+  averages), which starts one
   engine, sends two untimed prompts of each length, times each prompt set once and
   shuts the engine down; only one engine is alive at a time. The two sides of a row
   alternate in ABBA order (round r: A then B when r is even, B then A when odd),
@@ -282,7 +287,6 @@ class Launch:
     layers: tuple[int, ...]
     scratch: Path
     quiet_wait_s: float
-    sides: Preforked
     bind: str  # VLLM_CPU_OMP_THREADS_BIND of every side's engine
     others: str = ""  # the CPUs of everything else of a side ("": not pinned)
 
@@ -305,8 +309,15 @@ async def run_side(
     launch: Launch, side: str, sets: tuple[str, ...], seed: int, tag: str = ""
 ) -> dict[str, Any]:
     """One side's process for one round, once the machine is quiet: its result
-    (``peer_side.one_round``)."""
-    await asyncio.to_thread(wait_until_quiet, launch.quiet_wait_s)
+    (``peer_side.one_round``).
+
+    Forked from a preloaded process started for it alone: children of one process share
+    its memory layout (address-space randomisation happens once, at its start), and a
+    layout is worth a few percent to one side or the other. With one preloaded process
+    per run, rounds agreed and runs did not (the same side 6-13% apart on two runs of
+    one day); with one per side and round the layout varies between rounds, where ABBA
+    averages it out. Its imports (about 8 CPU-seconds) finish before the quiet wait.
+    """
     name = f"{side}-{launch.model.name}-{tag}{seed}"  # the tag keeps pairs' files apart
     out, output = launch.scratch / f"{name}.json", launch.scratch / f"{name}.log"
     command = [
@@ -317,7 +328,10 @@ async def run_side(
         *("--bind", launch.bind, "--others", launch.others),
     ]
     try:
-        await launch.sides.run(*command, log=output, timeout_s=SIDE_TIMEOUT_S)
+        async with Preforked.start(SIDE_PRELOAD, launch.scratch / f"{name}.preload.log") as sides:
+            await sides.ready()
+            await asyncio.to_thread(wait_until_quiet, launch.quiet_wait_s)
+            await sides.run(*command, log=output, timeout_s=SIDE_TIMEOUT_S)
     except RuntimeError as exc:
         raise RuntimeError(f"peer bench side {side} failed: {exc}") from None
     if not out.exists():
@@ -366,23 +380,22 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     peak = await asyncio.to_thread(matmul_peak, bind, plan.quiet_wait_s)
     stock_peak = await asyncio.to_thread(matmul_peak, stock_bind, plan.quiet_wait_s)
     rows: list[Row] = []
-    async with Preforked.start(SIDE_PRELOAD, scratch / "sides.log") as sides:
-        for index, model in enumerate(plan.models):
-            directory = await asyncio.to_thread(_model, scratch, plan, model)
-            launch = Launch(directory, model.layers, scratch, plan.quiet_wait_s, sides, bind)
-            peer = await abba(launch, ("hsx", "peer"), model.sets, plan.rounds)
-            _check_binding(peer)
-            rows += pair_rows("hsx / vLLM connector", model, peer, ">= 1.0")
-            rows += mfu_rows(peak, directory, model, peer)
-            if index == 0:
-                launch = dataclasses.replace(launch, bind=stock_bind, others=stock_others)
-                pair = ("hsx-plain", "stock")
-                stock = await abba(launch, pair, plan.stock_sets, plan.stock_rounds)
-                _check_binding(stock)
-                what = f"hsx engine without extraction / stock vLLM, workers on CPUs {stock_bind}"
-                rows += pair_rows(what, model, stock, ">= 0.99")
-                rows += mfu_rows(stock_peak, directory, model, stock)
-                rows += await suspect_rows(launch, model, plan)
+    for index, model in enumerate(plan.models):
+        directory = await asyncio.to_thread(_model, scratch, plan, model)
+        launch = Launch(directory, model.layers, scratch, plan.quiet_wait_s, bind)
+        peer = await abba(launch, ("hsx", "peer"), model.sets, plan.rounds)
+        _check_binding(peer)
+        rows += pair_rows("hsx / vLLM connector", model, peer, ">= 1.0")
+        rows += mfu_rows(peak, directory, model, peer)
+        if index == 0:
+            launch = dataclasses.replace(launch, bind=stock_bind, others=stock_others)
+            pair = ("hsx-plain", "stock")
+            stock = await abba(launch, pair, plan.stock_sets, plan.stock_rounds)
+            _check_binding(stock)
+            what = f"hsx engine without extraction / stock vLLM, workers on CPUs {stock_bind}"
+            rows += pair_rows(what, model, stock, ">= 0.99")
+            rows += mfu_rows(stock_peak, directory, model, stock)
+            rows += await suspect_rows(launch, model, plan)
     return rows
 
 
