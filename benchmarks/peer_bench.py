@@ -199,7 +199,10 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   | the same, quiet | 0.98 | 0.98 | 1.06 | 1.05 |
   | the same, quiet | 0.97 | 0.96 | 1.05 | 1.05 |
   | the same, quiet (after the writer's trim change) | 0.94 | 0.96 | 1.05 | 1.02 |
-  | the same, quiet (the table's run, after the parallel hash) | 0.96 | 0.95 | 1.01 | 1.03 |
+  | the same, quiet (after the parallel hash) | 0.96 | 0.95 | 1.01 | 1.03 |
+  | the same, quiet (the statistics beside the put; the last run with one preloaded process per run) | 0.98 | 0.98 | 1.05 | 1.00 |
+  | one preloaded process per side and round, quiet | 0.94 | 0.97 | 1.04 | 1.03 |
+  | the same, quiet (the table's run) | 0.94 | 0.97 | 1.08 | 1.06 |
 
   The first two quiet runs of the method (the rest on CPU 0) agree within 0.02 on every
   set (0.01, 0.02, 0.01, 0.00), against up to 0.18 before; the third, later the same
@@ -218,6 +221,15 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   0.04, not the 0.03 the issue asks, at 1 in flight. The fifth run (the table's) keeps
   the four quiet runs within 0.04 at 1 in flight (0.94-0.98), 0.03 at 8 (0.95-0.98),
   0.05 at 64 (1.01-1.06) and 0.03 at 2048 tokens (1.02-1.05).
+  The two runs with a preloaded process per side and round (the third stop of
+  2026-11-28, 26 minutes each, back to back) agree at 1 and 8 in flight (0.94 and 0.94,
+  0.97 and 0.97) and within 0.04 and 0.03 at 64 in flight and at 2048 tokens; over all
+  15 peer and stock rows of the two runs, 12 agree within 0.03 and three by 0.04-0.07
+  (random 16x256 @1 0.88 and 0.84, stock 64x256 @64 1.04 and 1.08, SmolLM2 2x2048 @1
+  0.92 and 0.99, a 2-prompt set). The peer's own throughput at 16x256 @1 still moved
+  10% between them (2724 and 2996 tok/s), so a layout is not all of the drift. hsx's
+  engine without extraction stays 0.03-0.06 under a stock engine at 1 and 8 in flight;
+  vLLM's drafter, timed in the worker, is 0.6% of a request there (docs/profile.md).
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
   0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
