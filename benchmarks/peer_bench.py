@@ -200,7 +200,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   | the same, quiet | 0.97 | 0.96 | 1.05 | 1.05 |
   | the same, quiet (after the writer's trim change) | 0.94 | 0.96 | 1.05 | 1.02 |
   | the same, quiet (after the parallel hash) | 0.96 | 0.95 | 1.01 | 1.03 |
-  | the same, quiet (statistics beside the put; one preloaded process a run) | 0.98 | 0.98 | 1.05 | 1.00 |
+  | the same, quiet (statistics beside the put) | 0.98 | 0.98 | 1.05 | 1.00 |
   | one preloaded process per side and round, quiet | 0.94 | 0.97 | 1.04 | 1.03 |
   | the same, quiet (the table's run) | 0.94 | 0.97 | 1.08 | 1.06 |
 
