@@ -346,6 +346,8 @@ class WriterPool:
                 ttl_s = job.save.ttl_s
                 del job
                 if aside:
+                    # No shrink: the host copy stays alive until the statistics have read
+                    # it, so it counts at its own size until the release below.
                     stored = await self._put_beside_statistics(key, encoded, ttl_s, start)
                 else:
                     # Encoded: the host copy can go, unless the parts are its memory (raw,
