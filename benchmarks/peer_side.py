@@ -183,8 +183,8 @@ async def open_side(args: argparse.Namespace) -> AsyncIterator[Side]:
     from service.engine.prestart import use_preloaded_processes
 
     # Its processes start as hsx's do (Extractor.start), but keep vLLM's spinning
-    # queue polls (poll interval 0): the stock and peer sides are vLLM as shipped.
-    use_preloaded_processes(0.0)
+    # queue polls (the default polling): the stock and peer sides are vLLM as shipped.
+    use_preloaded_processes()
     directory = args.work / "peer-files" if args.side == "peer" else None
     engine = AsyncLLM.from_engine_args(vllm_args(settings, directory, args.side))
     try:

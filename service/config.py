@@ -157,6 +157,16 @@ class EngineSettings(BaseModel):
         "spins with sched_yield for a second after every read and takes cores from the "
         "forward pass (0: vLLM's spin). See service/engine/prestart.py and docs/cpu.md.",
     )
+    cpu_poll_spin_us: int = Field(
+        2000,
+        ge=0,
+        le=1_000_000,
+        description="On CPU, with cpu_poll_interval_us: microseconds each wait on vLLM's "
+        "shared-memory queues keeps vLLM's sched_yield spin before it starts to sleep "
+        "between polls, so that the answers that come within a millisecond (the three "
+        "round trips of an engine step, the worker's next step) are not delayed by a "
+        "sleep (0: sleep from the first poll). See docs/cpu.md.",
+    )
     completion_address: str = Field(
         "",
         description="Where the writing rank (tensor-parallel rank 0) tells the API that an "

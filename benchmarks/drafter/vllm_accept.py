@@ -96,13 +96,12 @@ def main() -> None:
     model, questions_file, max_tokens = sys.argv[1:4]
     from benchmarks.common import fork_engine_server
     from service.config import EngineSettings
-    from service.engine.prestart import use_preloaded_processes
+    from service.engine.prestart import QueuePolling, use_preloaded_processes
 
     # Four engines: vLLM imported once for all (by this process; its fork server is
-    # forked from it), and its queues polled without spinning, as hsx's engines are
-    # (this measures acceptance, which the pause does not change).
-    poll_us = EngineSettings.model_fields["cpu_poll_interval_us"].default
-    use_preloaded_processes(poll_us / 1e6)
+    # forked from it), and its queues polled as hsx's engines poll them by default
+    # (this measures acceptance, which the polling does not change).
+    use_preloaded_processes(QueuePolling.of(EngineSettings()))
     fork_engine_server()
     questions = json.loads(Path(questions_file).read_text())
     for spec in sys.argv[4:]:

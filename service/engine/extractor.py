@@ -36,7 +36,7 @@ from service.engine.errors import (
     InvalidStatesError,
 )
 from service.engine.front_end import VllmFrontEnd
-from service.engine.prestart import use_preloaded_processes
+from service.engine.prestart import QueuePolling, use_preloaded_processes
 from service.engine.provenance import Provenance
 from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
 from service.metrics import ExtractorMetrics
@@ -140,7 +140,7 @@ class Extractor:
             prepared = prepare(settings, storage_factory)
         bind_cpu_workers(settings.engine.tensor_parallel_size * settings.engine.data_parallel_size)
         if settings.engine.preload_engine_processes:
-            use_preloaded_processes(settings.engine.cpu_poll_interval_us / 1e6)
+            use_preloaded_processes(QueuePolling.of(settings.engine))
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
         provenance = prepared.provenance
         log.info("hsx: provenance %s", provenance.fields())

@@ -33,15 +33,21 @@ only what the API did not (about 1 s). Everywhere else (a test process, a benchm
 ran torch before) the server is launched fresh, as ``multiprocessing`` does.
 
 The processes started this way can also poll vLLM's shared-memory queues without
-spinning (``poll_interval_s``, ``EngineSettings.cpu_poll_interval_us``): after each
-read, a reader of vLLM's ``MessageQueue`` (the worker waiting for the next step, the
-EngineCore waiting for its result) polls the queue's flag for one second, calling
-``sched_yield`` between polls. On a CPU host the waiting process is runnable all that
-time and takes its turn on the cores the forward pass needs (vLLM #28836: 100% CPU);
-a sleep of ``poll_interval_s`` between polls gives them back. The one-second window
-and its shared-memory flag stay as they are: only the pause between two looks changes,
-so no wake-up depends on vLLM's ZeroMQ notification, which its conflated, HWM-1 socket
-can drop (a window of zero, tried, stalled a run for a minute).
+spinning (``QueuePolling``, ``EngineSettings.cpu_poll_interval_us`` and
+``cpu_poll_spin_us``): after each read, a reader of vLLM's ``MessageQueue`` (the worker
+waiting for the next step, the EngineCore waiting for its result) polls the queue's
+flag for one second, calling ``sched_yield`` between polls. On a CPU host the waiting
+process is runnable all that time and takes its turn on the cores the forward pass
+needs (vLLM #28836: 100% CPU); a sleep between polls gives them back. But a sleep also
+delays every answer that comes within microseconds: one engine step is three round
+trips (``execute_model``, ``sample_tokens`` and, with a speculative method,
+``take_draft_token_ids``), and the worker's next step comes about a millisecond after
+its last answer. So each wait keeps vLLM's spin for its first ``spin_s`` and sleeps
+``pause_s`` between polls after that: the quick answers are caught spinning, the wait
+through a forward pass sleeps. The one-second window and its shared-memory flag stay as
+they are: only the pause between two looks changes, so no wake-up depends on vLLM's
+ZeroMQ notification, which its conflated, HWM-1 socket can drop (a window of zero,
+tried, stalled a run for a minute).
 """
 
 from __future__ import annotations
@@ -56,11 +62,15 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import connection, forkserver, reduction, resource_tracker, util
 from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.engine.openmp import take_openmp_settings
+
+if TYPE_CHECKING:
+    from service.config import EngineSettings
 
 #: What the fork server imports once: everything an EngineCore and a CPU worker import
 #: when they unpickle their targets, and hsx's classes that vLLM loads into them.
@@ -83,9 +93,27 @@ VLLM_STARTERS = (
 
 _STDIO = (1, 2)
 
-#: The pause between two polls of a vLLM queue in the processes started from here
-#: (0: vLLM's ``sched_yield``); set by the last ``use_preloaded_processes`` call.
-_poll_interval_s = 0.0
+
+@dataclass(frozen=True)
+class QueuePolling:
+    """How the processes started from the fork server wait on vLLM's shared-memory
+    queues within vLLM's one-second busy window after each read."""
+
+    #: The sleep between two polls once ``spin_s`` has passed (0: vLLM's ``sched_yield``
+    #: throughout, as shipped).
+    pause_s: float = 0.0
+    #: How long each wait (from its first poll after a read) keeps vLLM's spin before it
+    #: sleeps; 0: it sleeps from the first poll.
+    spin_s: float = 0.0
+
+    @classmethod
+    def of(cls, engine: EngineSettings) -> QueuePolling:
+        """An engine's settings' polling (``cpu_poll_interval_us``, ``cpu_poll_spin_us``)."""
+        return cls(engine.cpu_poll_interval_us / 1e6, engine.cpu_poll_spin_us / 1e6)
+
+
+#: How the processes started from here poll; set by the last ``use_preloaded_processes``.
+_polling = QueuePolling()
 
 
 class PreloadedProcess(ForkServerProcess):
@@ -95,11 +123,11 @@ class PreloadedProcess(ForkServerProcess):
 
     _environ: dict[str, str]
     _stdio: tuple[Any, ...]
-    _poll_interval_s: float
+    _polling: QueuePolling
 
     def start(self) -> None:
         self._environ = dict(os.environ)
-        self._poll_interval_s = _poll_interval_s
+        self._polling = _polling
         super().start()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -110,7 +138,7 @@ class PreloadedProcess(ForkServerProcess):
         return state
 
     def run(self) -> None:
-        _adopt_parent(self._environ, self._stdio, self._poll_interval_s)
+        _adopt_parent(self._environ, self._stdio, self._polling)
         super().run()
 
 
@@ -128,23 +156,23 @@ def preloaded_context() -> PreloadedContext:
     return context
 
 
-def use_preloaded_processes(poll_interval_s: float = 0.0) -> None:
+def use_preloaded_processes(polling: QueuePolling = QueuePolling()) -> None:
     """On CPU, make vLLM start the processes it would spawn from the preloaded fork
     server (for the rest of this process's life). Idempotent; called where an engine
     starts and again in each process it starts. Nothing on a GPU host: there vLLM
     spawns only once CUDA is initialised, and the server must not import vLLM's CUDA
     side for nothing.
 
-    ``poll_interval_s``: the pause between two polls of a vLLM queue in the processes
-    started from now on, and in theirs (0: vLLM's own ``sched_yield`` spin; see the
-    module's docstring). Each call sets it, so a stock engine started after an hsx one
-    in the same process spins as vLLM does."""
+    ``polling``: how the processes started from now on, and theirs, wait on vLLM's
+    queues (the default: vLLM's own ``sched_yield`` spin; see the module's docstring).
+    Each call sets it, so a stock engine started after an hsx one in the same process
+    spins as vLLM does."""
     from service.engine.builder import on_cpu
 
     if not on_cpu():
         return
-    global _poll_interval_s
-    _poll_interval_s = max(0.0, poll_interval_s)
+    global _polling
+    _polling = polling
     context = preloaded_context()
     for name in VLLM_STARTERS:
         module: Any = importlib.import_module(name)
@@ -292,10 +320,10 @@ def _instead_of_spawn(original: Callable[[], BaseContext], context: BaseContext)
     return get_mp_context
 
 
-def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...], poll_interval_s: float) -> None:
+def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...], polling: QueuePolling) -> None:
     """In the child, before its target runs: the parent's environment (with the OpenMP
     thread count and binding it asks for) and output, the inherited fork server for any
-    children, vLLM's starts routed to it again, and the parent's poll interval (here and
+    children, vLLM's starts routed to it again, and the parent's queue polling (here and
     in this process's children)."""
     _ready_process_title()
     os.environ.clear()
@@ -312,24 +340,54 @@ def _adopt_parent(environ: dict[str, str], stdio: tuple[Any, ...], poll_interval
         # The server that forked this process is running (this process holds its
         # liveness pipe); Python 3.11 only knows a server it launched itself.
         server.ensure_running = resource_tracker.ensure_running
-    use_preloaded_processes(poll_interval_s)
-    if poll_interval_s > 0:
-        _pause_between_polls(poll_interval_s)
+    use_preloaded_processes(polling)
+    if polling.pause_s > 0:
+        _pause_between_polls(polling)
 
 
-def _pause_between_polls(seconds: float) -> None:
-    """Make this process's vLLM queues sleep ``seconds`` between two polls instead of
-    calling ``sched_yield``: ``shm_broadcast`` took vLLM's ``sched_yield`` by name, and
-    its readers (``SpinCondition.wait``) and writers (``acquire_write``, a full ring)
-    call nothing else while they wait."""
+def _pause_between_polls(polling: QueuePolling) -> None:
+    """Make this process's vLLM queues sleep ``polling.pause_s`` between two polls
+    instead of calling ``sched_yield``: ``shm_broadcast`` took vLLM's ``sched_yield`` by
+    name, and its readers (``SpinCondition.wait``) and writers (``acquire_write``, a
+    full ring) call nothing else while they wait. Readers keep the spin for the first
+    ``polling.spin_s`` of each wait (``_spin_then_pause``)."""
     import time
 
+    from vllm.distributed import utils
     from vllm.distributed.device_communicators import shm_broadcast
 
     def pause() -> None:
-        time.sleep(seconds)
+        time.sleep(polling.pause_s)
 
     shm_broadcast.sched_yield = pause
+    if polling.spin_s > 0:
+        condition = shm_broadcast.SpinCondition
+        condition.wait = _spin_then_pause(condition.wait, utils.sched_yield, polling)
+
+
+def _spin_then_pause(
+    idle_wait: Callable[..., None], spin: Callable[[], None], polling: QueuePolling
+) -> Callable[..., None]:
+    """``SpinCondition.wait`` as vLLM 0.32 has it (``spin`` between polls for a second
+    after each read, then ``idle_wait``, its wait for the notification), except that
+    after the wait's first ``polling.spin_s`` it sleeps ``polling.pause_s`` instead of
+    spinning. A wait begins at its first poll after a read (``last_read`` changed)."""
+    import time
+
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        now = time.monotonic()
+        if now > self.last_read + self.busy_loop_s:
+            idle_wait(self, timeout_ms)
+            return
+        if getattr(self, "_hsx_wait_after", None) != self.last_read:
+            self._hsx_wait_after = self.last_read
+            self._hsx_wait_began = now
+        if now - self._hsx_wait_began < polling.spin_s:
+            spin()
+        else:
+            time.sleep(polling.pause_s)
+
+    return wait
 
 
 def _ready_process_title() -> None:

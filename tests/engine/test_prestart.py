@@ -17,7 +17,13 @@ import psutil
 import pytest
 
 from service.engine.builder import on_cpu
-from service.engine.prestart import SERVER_TITLE, preloaded_context, use_preloaded_processes
+from service.engine.prestart import (
+    SERVER_TITLE,
+    QueuePolling,
+    _spin_then_pause,
+    preloaded_context,
+    use_preloaded_processes,
+)
 from tests.support.processes import wait_until
 
 VARIABLE = "HSX_TEST_PRESTART"
@@ -111,8 +117,9 @@ def poll_report(path: str, generation: int) -> None:
         shm_broadcast.sched_yield()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     own = shm_broadcast.sched_yield is utils.sched_yield
+    wait = shm_broadcast.SpinCondition.wait.__qualname__
     with open(path, "a") as out:
-        out.write(f"{generation} {wall:.4f} {cpu:.4f} {own}\n")
+        out.write(f"{generation} {wall:.4f} {cpu:.4f} {own} {wait}\n")
     if generation == 1:
         child = preloaded_context().Process(target=poll_report, args=(path, 2))
         child.start()
@@ -120,14 +127,18 @@ def poll_report(path: str, generation: int) -> None:
         sys.exit(child.exitcode)
 
 
-@pytest.mark.parametrize("interval_s", [0.002, 0.0])
+@pytest.mark.parametrize(
+    ("interval_s", "spin_s"), [(0.002, 0.0), (0.002, 0.002), (0.0, 0.0), (0.0, 0.002)]
+)
 def test_engine_processes_sleep_between_polls_of_vllm_queues(
-    tmp_path: Path, server: int, interval_s: float
+    tmp_path: Path, server: int, interval_s: float, spin_s: float
 ) -> None:
     """With an interval, both generations sleep it between polls (50 polls: at least
-    50 intervals of wall time, almost no CPU); with 0 they keep vLLM's sched_yield."""
+    50 intervals of wall time, almost no CPU), and with a spin window too their readers
+    wait with ``_spin_then_pause``; with no interval they keep vLLM's sched_yield and
+    its wait, whatever the spin window."""
     report_path = tmp_path / "report"
-    use_preloaded_processes(interval_s)
+    use_preloaded_processes(QueuePolling(interval_s, spin_s))
     try:
         child = preloaded_context().Process(target=poll_report, args=(str(report_path), 1))
         child.start()
@@ -137,7 +148,7 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
     assert child.exitcode == 0
     lines = [line.split() for line in report_path.read_text().splitlines()]
     assert [generation for generation, *_ in lines] == ["1", "2"]
-    for _, wall, cpu, own in lines:
+    for _, wall, cpu, own, wait in lines:
         if interval_s:
             assert float(wall) >= 50 * interval_s
             assert float(cpu) < 0.25 * float(wall)
@@ -145,6 +156,72 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
         else:
             assert float(wall) < 50 * 0.002
             assert own == "True"
+        spins_first = interval_s and spin_s
+        assert wait == ("_spin_then_pause.<locals>.wait" if spins_first else "SpinCondition.wait")
+
+
+class Clock:
+    """``time.monotonic`` and ``time.sleep`` for one thread: a sleep moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_each_wait_spins_first_then_sleeps_and_idles_after_vllms_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's real reader ``SpinCondition``: a wait that begins after a read spins for
+    its first ``spin_s`` (vLLM's ``sched_yield``), then sleeps ``pause_s`` between
+    polls; the next read starts the spin again; past vLLM's one-second busy window it
+    waits for the notification as vLLM does. The clock is a fake one, so the test sees
+    which branch each poll took, not how fast this machine is."""
+    import time
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    clock = Clock()
+    monkeypatch.setattr(time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
+    context = zmq.Context()
+    condition = SpinCondition(True, context, f"ipc://{tmp_path / 'notify'}")
+    polls: list[str] = []
+
+    def spin() -> None:
+        polls.append("spin")
+        clock.now += 2**-13  # powers of two: the clock's sums stay exact
+
+    def idle(self: SpinCondition, timeout_ms: int | None = None) -> None:
+        polls.append(f"idle {timeout_ms}")
+        clock.now += 0.5
+
+    wait = _spin_then_pause(idle, spin, QueuePolling(pause_s=2**-11, spin_s=2**-9))
+    try:
+        condition.record_read()
+        for _ in range(26):  # 16 spins fill the spin window, then 10 sleeps
+            wait(condition)
+        assert polls == ["spin"] * 16
+        assert clock.sleeps == [2**-11] * 10
+        condition.record_read()  # an answer came: the next wait spins again
+        polls.clear()
+        wait(condition)
+        assert polls == ["spin"]
+        clock.now = condition.last_read + 1.01  # past vLLM's busy window (1 s)
+        wait(condition, 250)
+        assert polls == ["spin", "idle 250"]
+    finally:
+        condition.local_notify_socket.close(0)
+        condition.read_cancel_socket.close(0)
+        condition.write_cancel_socket.close(0)
+        context.term()
 
 
 def openmp_report(path: str) -> None:
