@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from service.engine.connector.common import HsxConnectorMetadata, find_hidden_state_group
+from service.engine.drafts import skip_unused_draft_fetches
 from service.engine.lifeline import exit_with_parent, exit_without_a_heap_scan, shut_down_cleanly
 from service.engine.wire import ConnectorConfig
 
@@ -90,6 +91,8 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             # The scheduler half lives in the EngineCore: the one process vLLM leaves
             # running when the server is killed outright.
             exit_with_parent()
+            # Most of hsx's requests finish with their prompt: their drafts go unused.
+            skip_unused_draft_fetches()
         else:
             from service.engine.connector.worker import HsxConnectorWorker
 
