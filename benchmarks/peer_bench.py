@@ -127,9 +127,12 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   engine processes start from the same preloaded fork server
   (`service/engine/prestart.py`), forked from the side's own process before its engine
   starts (`benchmarks.common.fork_engine_server`: start-up only); hsx's sides (*hsx*,
-  *hsx-plain*) sleep 500 µs between polls of vLLM's shared-memory queues
-  (`engine.cpu_poll_interval_us`, its default), the stock and peer sides keep vLLM's
-  `sched_yield` spin, as shipped.
+  *hsx-plain*) keep vLLM's spin for the first 2 ms of each wait on vLLM's
+  shared-memory queues and sleep 500 µs between polls after that
+  (`engine.cpu_poll_spin_us`, `engine.cpu_poll_interval_us`, their defaults), and
+  their EngineCore fetches a step's draft tokens only when a running request could take
+  them (`service/engine/drafts.py`); the stock and peer sides keep vLLM's `sched_yield`
+  spin and every fetch, as shipped.
 - **method**: each measurement is a process of its own (`benchmarks.peer_side`, as
   `python -m` would run it, forked from a process started for that side and round
   alone, which imported vLLM before the bench waits for a quiet machine:
@@ -202,7 +205,9 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   | the same, quiet (after the parallel hash) | 0.96 | 0.95 | 1.01 | 1.03 |
   | the same, quiet (statistics beside the put) | 0.98 | 0.98 | 1.05 | 1.00 |
   | one preloaded process per side and round, quiet | 0.94 | 0.97 | 1.04 | 1.03 |
-  | the same, quiet (the table's run) | 0.94 | 0.97 | 1.08 | 1.06 |
+  | the same, quiet | 0.94 | 0.97 | 1.08 | 1.06 |
+  | each wait spinning 2 ms first, quiet | 0.98 | 1.00 | 1.06 | 1.01 |
+  | the same and the draft fetch skipped, quiet (the table's run) | 0.99 | 0.98 | 0.96 | 1.00 |
 
   The first two quiet runs of the method (the rest on CPU 0) agree within 0.02 on every
   set (0.01, 0.02, 0.01, 0.00), against up to 0.18 before; the third, later the same
@@ -228,8 +233,16 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   (random 16x256 @1 0.88 and 0.84, stock 64x256 @64 1.04 and 1.08, SmolLM2 2x2048 @1
   0.92 and 0.99, a 2-prompt set). The peer's own throughput at 16x256 @1 still moved
   10% between them (2724 and 2996 tok/s), so a layout is not all of the drift. hsx's
-  engine without extraction stays 0.03-0.06 under a stock engine at 1 and 8 in flight;
+  engine without extraction stayed 0.03-0.06 under a stock engine at 1 and 8 in flight;
   vLLM's drafter, timed in the worker, is 0.6% of a request there (docs/profile.md).
+  Timing every RPC of vLLM's worker found the rest (docs/profile.md, fourth stop):
+  hsx's 500 µs sleep between queue polls delayed the answers of each step's three
+  round trips, which come within a millisecond, and every step fetched draft tokens
+  that no request took. With each wait spinning 2 ms before it sleeps, and the fetch
+  skipped where nothing would take the drafts, two runs
+  read 0.98 and 0.99 at 1 in flight, 1.00 and 0.98 at 8, 1.01 and 1.00 at 2048 tokens
+  (the first with the spin alone), and 1.06 and 0.96 at 64 in flight, the set whose
+  per-round ratios spread most (0.92-1.08 in the second run).
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
   0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
