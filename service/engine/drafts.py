@@ -1,9 +1,10 @@
 """The EngineCore skips fetching draft tokens that no request would take.
 
-Every hsx engine runs vLLM's ``extract_hidden_states`` speculative method, and without
-async scheduling (vLLM's CPU engine) each engine step ends in ``EngineCore.post_step``,
-which asks the workers for the step's draft tokens (``take_draft_token_ids``: one
-round trip on vLLM's queues) and hands them to ``Scheduler.update_draft_token_ids``.
+Every hsx engine runs vLLM's ``extract_hidden_states`` speculative method, for which
+vLLM 0.32 turns async scheduling off (on every host), so each engine step ends in
+``EngineCore.post_step``, which asks the workers for the step's draft tokens
+(``take_draft_token_ids``: one round trip on vLLM's queues) and hands them to
+``Scheduler.update_draft_token_ids``.
 That update passes over every request that has finished, and of a request still in its
 prefill only clears drafts left from before. Most of hsx's requests finish in the step
 that ends their prompt (``max_tokens=1``), so most of those round trips feed an update
