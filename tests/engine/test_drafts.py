@@ -34,9 +34,6 @@ def request(name: str, state: str) -> Request:
     return made
 
 
-STATES = ("finished", "prefill", "prefill with drafts", "decoding")
-
-
 def update_changes(states: tuple[str, ...]) -> bool:
     """Whether vLLM's own update, handed one draft per request, changes any of them."""
     running = [request(f"r{n}", state) for n, state in enumerate(states)]
