@@ -131,8 +131,12 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   shared-memory queues and sleep 500 µs between polls after that
   (`engine.cpu_poll_spin_us`, `engine.cpu_poll_interval_us`, their defaults), and
   their EngineCore fetches a step's draft tokens only when a running request could take
-  them (`service/engine/drafts.py`); the stock and peer sides keep vLLM's `sched_yield`
-  spin and every fetch, as shipped.
+  them (`service/engine/drafts.py`), and their processes start with torch's huge-page
+  switch (`THP_MEM_ALLOC_ENABLE=1`, as `hsx serve` sets it before torch loads:
+  `engine.cpu_huge_pages`, `service/engine/hugepages.py`; the kernel's mode here is
+  `madvise`); the stock and peer sides keep vLLM's `sched_yield` spin, every fetch and
+  torch's default 4 KiB pages, as shipped (a caller that sets the switch sets it for
+  every side).
 - **method**: each measurement is a process of its own (`benchmarks.peer_side`, as
   `python -m` would run it, forked from a process started for that side and round
   alone, which imported vLLM before the bench waits for a quiet machine:
@@ -352,8 +356,9 @@ async def run_side(
         *("--work", str(launch.scratch / f"work-{name}"), "--out", str(out)),
         *("--bind", launch.bind, "--others", launch.others),
     ]
+    preload_log = launch.scratch / f"{name}.preload.log"
     try:
-        async with Preforked.start(SIDE_PRELOAD, launch.scratch / f"{name}.preload.log") as sides:
+        async with Preforked.start(SIDE_PRELOAD, preload_log, env=side_environment(side)) as sides:
             await sides.ready()
             await asyncio.to_thread(wait_until_quiet, launch.quiet_wait_s)
             await sides.run(*command, log=output, timeout_s=SIDE_TIMEOUT_S)
@@ -364,6 +369,20 @@ async def run_side(
         raise RuntimeError(f"peer bench side {side} wrote no result:\n{tail}")
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+def side_environment(side: str) -> dict[str, str]:
+    """The environment a side's process starts with: this process's, and on hsx's sides
+    the huge-page switch as ``hsx serve`` sets it before torch loads (its default,
+    ``engine.cpu_huge_pages``); vLLM's sides run as shipped, without it. A value the
+    caller set applies to every side, as a binding the caller sets does."""
+    from service.config import EngineSettings
+    from service.engine.hugepages import ask_for_huge_pages
+
+    environ = dict(os.environ)
+    if side.startswith("hsx"):
+        ask_for_huge_pages(EngineSettings().cpu_huge_pages, environ)
+    return environ
 
 
 async def abba(

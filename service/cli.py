@@ -68,6 +68,11 @@ def _cmd_demo_model(_settings: Settings, args: argparse.Namespace) -> int:
 
 def _cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
     """Start the HTTP service (no model configured: SmolLM2-135M-Instruct, made once)."""
+    from service.engine.hugepages import ask_for_huge_pages
+
+    # Before torch is imported: it reads the switch at this process's first allocation,
+    # and the engine's fork server is forked from this process (service/serve.py).
+    ask_for_huge_pages(settings.engine.cpu_huge_pages)
     from service.serve import serve
 
     return serve(settings)

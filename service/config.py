@@ -167,6 +167,14 @@ class EngineSettings(BaseModel):
         "round trips of an engine step, the worker's next step) are not delayed by a "
         "sleep (0: sleep from the first poll). See docs/cpu.md.",
     )
+    cpu_huge_pages: bool = Field(
+        True,
+        description="Ask the kernel for transparent huge pages for the engine processes' "
+        "large CPU tensors (weights, KV cache, activations): torch's THP_MEM_ALLOC_ENABLE, "
+        "set before the engine's processes start; a value already in the environment wins. "
+        "No effect where /sys/kernel/mm/transparent_hugepage/enabled is 'never'. See "
+        "service/engine/hugepages.py and docs/cpu.md.",
+    )
     completion_address: str = Field(
         "",
         description="Where the writing rank (tensor-parallel rank 0) tells the API that an "

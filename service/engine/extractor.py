@@ -36,6 +36,7 @@ from service.engine.errors import (
     InvalidStatesError,
 )
 from service.engine.front_end import VllmFrontEnd
+from service.engine.hugepages import ask_for_huge_pages
 from service.engine.prestart import QueuePolling, use_preloaded_processes
 from service.engine.provenance import Provenance
 from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
@@ -139,6 +140,8 @@ class Extractor:
         if prepared is None:
             prepared = prepare(settings, storage_factory)
         bind_cpu_workers(settings.engine.tensor_parallel_size * settings.engine.data_parallel_size)
+        # Read by torch in each engine process started from here (hugepages.py).
+        ask_for_huge_pages(settings.engine.cpu_huge_pages)
         if settings.engine.preload_engine_processes:
             use_preloaded_processes(QueuePolling.of(settings.engine))
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics

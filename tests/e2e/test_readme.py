@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from service.demo_model import DEMO_DIR
-from tests.support.processes import SUITE_ONLY
+from tests.support.processes import SET_BY_HSX, SUITE_ONLY
 from tests.support.processes import wait_ready as support_wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +144,8 @@ def fresh_clone(tmp: Path) -> Path:
 
 def clean_environment(clone: Path) -> dict[str, str]:
     """This environment without hsx's and vLLM's variables, and without those
-    ``make test`` sets for the suite alone (``SUITE_ONLY``).
+    ``make test`` sets for the suite alone (``SUITE_ONLY``) or an engine of the suite's
+    set in it (``SET_BY_HSX``).
 
     PYTHONPATH: the venv's editable install points at the checkout that built it; a
     fresh install in the clone would run the clone's code, so the clone goes first.
@@ -152,7 +153,7 @@ def clean_environment(clone: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("HSX_", "VLLM_")) and k not in SUITE_ONLY
+        if not k.startswith(("HSX_", "VLLM_")) and k not in (*SUITE_ONLY, *SET_BY_HSX)
     }
     return {**env, "PYTHONPATH": str(clone)}
 

@@ -144,6 +144,36 @@ def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_d
     assert "the process that started this engine is gone" in (tmp_path / "serve.log").read_text()
 
 
+def test_the_engine_worker_computes_on_huge_pages(tmp_path: Path, model_dir: Any) -> None:
+    """``hsx serve`` as users start it (no switch in its environment) backs the worker's
+    large tensors (weights, KV cache, activations) with transparent huge pages
+    (``engine.cpu_huge_pages``, ``service/engine/hugepages.py``), where the kernel
+    gives them to memory that asks (its mode ``madvise`` or ``always``)."""
+    import psutil
+
+    from service.engine.hugepages import system_mode
+
+    mode = system_mode()
+    if mode not in ("madvise", "always"):
+        pytest.skip(f"the kernel gives no transparent huge pages here ({mode})")
+    with hsx_serve(tmp_path, tiny_model(model_dir)) as served:
+        answer = httpx.post(
+            f"{served.url}/extract", json={"prompts": [{"token_ids": [5, 6, 7]}]}, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+        workers = [
+            child
+            for child in psutil.Process(served.proc.pid).children(recursive=True)
+            if child.cmdline()[:1] and child.cmdline()[0].startswith("VLLM::Worker")
+        ]
+        assert workers, "no VLLM::Worker process under hsx serve"
+        for worker in workers:
+            rollup = Path(f"/proc/{worker.pid}/smaps_rollup").read_text()
+            found = re.search(r"^AnonHugePages:\s+(\d+) kB", rollup, re.MULTILINE)
+            assert found, rollup
+            assert int(found.group(1)) >= 2048, rollup
+
+
 def test_signal_marks_the_app_draining_before_uvicorn_stops() -> None:
     import uvicorn
 

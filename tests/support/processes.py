@@ -21,6 +21,7 @@ from typing import TypeVar
 import httpx
 
 from service.demo_model import DEMO_DIR
+from service.engine.hugepages import VARIABLE as HUGE_PAGES_VARIABLE
 
 T = TypeVar("T")
 
@@ -72,9 +73,16 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
 def hsx_env(env: Mapping[str, str]) -> dict[str, str]:
     """This process's environment without ``HSX_`` variables, plus ``env``: hsx's own
     defaults (the demo model, CPU memory settings) apply to whatever ``env`` leaves out."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("HSX_") and k not in SET_BY_HSX
+    }
     return {**clean, **env}
 
+
+#: Variables hsx sets in its own process's environment when an engine starts there
+#: (``Extractor.start``: torch's huge-page switch): a process under test must not inherit
+#: them from a test process that ran an engine, or it would not show its own defaults.
+SET_BY_HSX = (HUGE_PAGES_VARIABLE,)
 
 #: Variables ``make test`` sets for the suite's processes alone (the Makefile's
 #: ``SUITE_ENV``): a README command under test runs without them, as a user's would.
