@@ -9,8 +9,9 @@ engines alive at once:
    pipeline on the same prompts (``engine_sides.rounds``), for MFU and the disk rows;
    then the cost-growth rounds, prompt lengths from 128 tokens up, the same token
    count a round, each length with the worker's peak RSS per side;
-3. ``torch.mm``'s peak at the worker's thread count and at all cores, with no engine
-   alive (``machine_limits.matmul_peak_gflops``);
+3. the GEMM peak (``torch.mm`` or vLLM's oneDNN GEMM, the better) at the worker's
+   thread count and at all cores, with no engine alive
+   (``machine_limits.matmul_peak_gflops``);
 4. one fresh engine per binding setting (``VLLM_CPU_OMP_THREADS_BIND``, ...), set in
    the environment before it starts (its processes inherit it), extraction rounds only.
 """
@@ -104,9 +105,13 @@ NOTES = f"""- **limit rows (issue 31)**, `benchmarks/limits_bench.py` with
   One engine alive at a time; nothing else of this bench computes while an engine
   does, but the machine may be shared: the "other processes' CPU" rows say how much
   else ran (system-wide busy CPU from `/proc/stat` minus this bench's process tree).
-- **matmul peak**: `torch.mm` of square float32 matrices of {list(FULL.matmul_sizes)},
-  median of 5 calls each after one untimed, the best size; at the thread count vLLM
-  gave the engine's worker (one OpenMP thread per bound CPU) and at all cores; measured
+- **matmul peak**: square float32 GEMMs of {list(FULL.matmul_sizes)}, by `torch.mm`
+  and by vLLM's oneDNN GEMM with its weight prepacked (the kernel vLLM's CPU linear
+  layers run; on the AMD host of 2026-11-28 it reached twice `torch.mm`'s rate, so a
+  `torch.mm` peak put MFU above 100%; rows measured before then used `torch.mm`
+  alone), median of 5 calls each after one untimed, the best size and kernel; at the
+  thread count vLLM gave the engine's worker (one OpenMP thread per bound CPU) and at
+  all cores; measured
   with no engine alive, before the engines and after the first, the better of the two.
 - **FLOPs per prompt token**: `machine_limits.flops_per_token`: 2 x the matmul weights
   (Q, K, V, O, gate, up, down of every layer) plus attention's QK^T and AV at the
@@ -570,7 +575,7 @@ def _peak_rows(peaks: Peaks) -> list[Row]:
     engine, cores = peaks.threads["engine"], peaks.threads["all_cores"]
     return [
         Row(
-            f"matmul peak, torch.mm float32: {engine} thread(s) (the engine worker's) vs "
+            f"matmul peak, float32 GEMM: {engine} thread(s) (the engine worker's) vs "
             f"all {cores} cores",
             f"{peaks.engine:.0f} GFLOP/s",
             f"{peaks.all_cores:.0f} GFLOP/s",

@@ -517,7 +517,8 @@ def pair_rows(
 
 @dataclass(frozen=True)
 class Peak:
-    """This machine's measured float32 ``torch.mm`` peak at the engines' thread count."""
+    """This machine's measured float32 GEMM peak at the engines' thread count
+    (``machine_limits.matmul_peak_gflops``: ``torch.mm`` or vLLM's oneDNN GEMM)."""
 
     gflops: float
     threads: int
