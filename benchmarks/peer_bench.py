@@ -247,6 +247,35 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   read 0.98 and 0.99 at 1 in flight, 1.00 and 0.98 at 8, 1.01 and 1.00 at 2048 tokens
   (the first with the spin alone), and 1.06 and 0.96 at 64 in flight, the set whose
   per-round ratios spread most (0.92-1.08 in the second run).
+- **huge pages, and another host (issue 31, 2026-11-28, fifth stop)**: this stop ran
+  on a different 2-core machine (AMD EPYC), about twice as fast: a stock engine on one
+  CPU did 3,523 tok/s at 16x256 @1 against 1,728 in the run before, so the rows' tok/s
+  are not comparable with earlier runs, and the GEMM peak is now the better of
+  `torch.mm` and vLLM's oneDNN GEMM (oneDNN 435 GFLOP/s on two threads against
+  `torch.mm`'s 202 here; the first run of the stop, with `torch.mm` alone, read MFU of
+  117-180%). On this host, before any change, 6 rounds of the stock pair read 0.97,
+  0.92, 1.05, 1.04 (per-round 0.93-1.04, 0.90-0.97, 0.89-1.06, 0.98-1.08), and a stock
+  engine's own time per set was bimodal between processes (64x256 @64: 4.67 or 5.68 s).
+  Torch's huge-page switch (`THP_MEM_ALLOC_ENABLE=1`: 2 MiB pages for every CPU tensor
+  of 2 MiB or more; `docs/cpu.md`, "Huge pages") took 12-18% off a set at 256 tokens,
+  on a stock engine as on hsx's (alternating single-side runs: stock 64x256 @64 5.39 to
+  4.54 s, hsx 64x256 @8 3.59 to 2.95 s; SmolLM2-135M 0-6%), and hsx now sets it for its
+  engine (`engine.cpu_huge_pages`, default on). The peer bench runs hsx as `hsx serve`
+  starts it and vLLM as shipped, so hsx's sides have it and vLLM's do not; with it on
+  both sides (the caller's environment), a 2-round pair read hsx / peer 0.81, 0.83,
+  0.93, 0.92 (16x256 @1, 64x256 @8, 64x256 @64, 4x2048 @1): the gap of extraction
+  itself is where it was, and the rows at or above 1.0 are hsx's default against
+  vLLM's, not the gap closed at its cause. Runs of the stop, hsx / peer (random
+  16x256 @1, 64x256 @8, 64x256 @64, 4x2048 @1, 8x2048 @8, 16x2048 @16; SmolLM2 8x256
+  @1, 32x256 @8, 64x256 @64, 2x2048 @1, 8x2048 @8) and hsx-plain / stock (16x256 @1,
+  64x256 @8, 64x256 @64, 8x2048 @8): run E (the `torch.mm` peak) 1.00, 1.04, 0.89,
+  0.90, 0.91, 0.92; 0.90, 0.93, 0.87, 0.90, 0.92; 0.95, 0.97, 1.15, 1.12. Run F (the
+  table's, the GEMM peak fixed): 1.01, 0.89, 0.94, 0.89, 0.93, 0.90; 0.90, 0.93, 0.89,
+  0.93, 0.90; 0.99, 1.01, 1.06, 1.05. SmolLM2-135M's rows of the two runs agree within
+  0.03; on the random model they differ by 0.15 at 64x256 @8 (1.04, 0.89; per-round
+  0.90-1.19 in run E), and the stock pair by 0.04-0.09, so on this host the method does
+  not give one answer to 0.03 with 4 rounds. The stock target (0.99) is met on every
+  set in run F and at 64 in flight and 2048 tokens in run E (0.95 and 0.97 at 1 and 8).
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
   0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
