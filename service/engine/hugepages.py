@@ -3,8 +3,8 @@
 On a CPU host the forward pass streams every weight matrix, the KV cache and its
 activations through the TLB each step; with 4 KiB pages a 2048-token step of a small
 model touches tens of thousands of pages. With ``THP_MEM_ALLOC_ENABLE=1`` torch's CPU
-allocator aligns each allocation of 2 MiB or more to 2 MiB and ``madvise``\\ s it
-``MADV_HUGEPAGE``, so the kernel backs it with 2 MiB pages wherever
+allocator advises each allocation of 2 MiB or more (``madvise(MADV_HUGEPAGE)``), so
+the kernel backs its whole 2 MiB-aligned stretches with 2 MiB pages wherever
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (most distributions'
 default) or ``always``; under ``never`` it changes nothing. vLLM's CPU build leaves it
 unset. Measured on the 2-core test machine (docs/cpu.md, "Huge pages"): a stock engine
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-#: torch's switch (c10's ``alloc_cpu``): "1" aligns and advises allocations >= 2 MiB.
+#: torch's switch (c10's ``alloc_cpu``): "1" advises allocations of 2 MiB and more.
 VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
 
