@@ -16,11 +16,12 @@ throughput x :func:`flops_per_token` by :func:`matmul_peak_gflops`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -42,21 +43,21 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _mm_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, repeats: int) -> float:
-    """Median seconds of ``torch.mm(a, b, out=out)`` over ``repeats`` calls (after one
-    untimed call, which pays for page faults and thread start-up)."""
-    torch.mm(a, b, out=out)
+def _median_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``call()`` over ``repeats`` calls (after one untimed call, which
+    pays for page faults and thread start-up)."""
+    call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b, out=out)
+        call()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _onednn_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float | None:
-    """Median seconds of vLLM's oneDNN GEMM of ``a`` by ``b``, its weight prepacked as
-    vLLM's CPU linear layers prepack theirs (``dispatch_cpu_unquantized_gemm``:
+def _onednn_gemm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object] | None:
+    """vLLM's oneDNN GEMM of ``a`` by ``b``, its weight prepacked as vLLM's CPU linear
+    layers prepack theirs (``dispatch_cpu_unquantized_gemm``:
     ``create_onednn_mm(weight.t(), 32)``), or None where vLLM or its oneDNN is absent."""
     try:
         from vllm import _custom_ops as ops
@@ -65,13 +66,7 @@ def _onednn_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float | N
     if not getattr(ops, "_supports_onednn", False):
         return None
     handler = ops.create_onednn_mm(b.t().contiguous().t(), 32)
-    ops.onednn_mm(handler, a, None)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ops.onednn_mm(handler, a, None)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return functools.partial(ops.onednn_mm, handler, a, None)
 
 
 def matmul_peak_gflops(
@@ -98,10 +93,8 @@ def matmul_peak_gflops(
         for n in sizes:
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             out = torch.empty(n, n, dtype=dtype)
-            seconds = _mm_seconds(a, b, out, repeats)
-            onednn = _onednn_seconds(a, b, repeats)
-            if onednn is not None:
-                seconds = min(seconds, onednn)
+            kernels = [functools.partial(torch.mm, a, b, out=out), _onednn_gemm(a, b)]
+            seconds = min(_median_seconds(k, repeats) for k in kernels if k is not None)
             best = max(best, 2 * n**3 / seconds / 1e9)
     return best
 

@@ -5,7 +5,6 @@ processes start."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from service.engine.hugepages import VARIABLE, ask_for_huge_pages, system_mode
+from tests.support.processes import hsx_env
 
 REPO = Path(__file__).resolve().parents[2]
 #: Allocates a 16 MiB tensor, touches it, and reports how much of its mapping the kernel
@@ -43,10 +43,6 @@ def probe(environ: dict[str, str], code: str = PROBE) -> dict[str, object]:
     return result
 
 
-def without_switch() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != VARIABLE}
-
-
 def test_the_switch_is_set_unless_the_operator_set_it() -> None:
     environ: dict[str, str] = {}
     assert ask_for_huge_pages(True, environ)
@@ -74,7 +70,8 @@ def test_system_mode_is_the_bracketed_word(tmp_path: Path) -> None:
 
 
 def test_torch_backs_large_tensors_with_huge_pages_only_when_asked() -> None:
-    on, off = without_switch(), without_switch()
+    # hsx_env: this environment without hsx's settings or a switch an engine here set.
+    on, off = hsx_env({}), hsx_env({})
     ask_for_huge_pages(True, on)
     ask_for_huge_pages(False, off)
     asked, default = probe(on), probe(off)
@@ -103,7 +100,7 @@ sys.modules["service.serve"] = stand_in
 from service.cli import main
 sys.exit(main(["serve"]))
 """
-    environ = {k: v for k, v in without_switch().items() if not k.startswith("HSX_")}
+    environ = hsx_env({})
     result = probe(environ, code)
     if system_mode() in ("madvise", "always"):
         assert int(str(result["huge_kib"])) >= 2048, result
