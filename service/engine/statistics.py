@@ -9,9 +9,10 @@ says how). The ``/metrics`` gauge of the mean token norm is fed from them too.
 
 Sums are float64 over the finite values; the writer refuses non-finite states first
 (``validation.py``), so ``non_finite`` reads 0 for every stored object. The work is
-one pass over the states in chunks of at most ``CHUNK_VALUES`` values (five
-float64-accumulating reductions of each chunk), so the temporary memory stays small
-whatever the object's size; its cost is in docs/design.md ("Provenance and statistics").
+one pass over the states in chunks of at most ``CHUNK_VALUES`` values (each chunk
+widened to float64 once, then five reductions of it), so the temporary memory stays
+small whatever the object's size; its cost is in docs/design.md ("Provenance and
+statistics").
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from service.client.models import LayerStatistics
 if TYPE_CHECKING:
     import torch
 
-#: Values reduced at a time. Torch's float64 reductions copy their input to float64
-#: first, so a chunk bounds the temporaries (2 MiB each). On one thread of the 2-core
-#: test machine 1 << 18 measured 0.41-0.59 ms per MiB of float32-equivalent values,
-#: against 0.8-1.1 for 1 << 16 (per-op overhead) and no gain from 1 << 19.
+#: Values reduced at a time: a chunk bounds the float64 copy each is widened to (2 MiB).
+#: On one thread of the 2-core test machine 1 << 18 measured 0.41-0.59 ms per MiB of
+#: float32-equivalent values, against 0.8-1.1 for 1 << 16 (per-op overhead) and no gain
+#: from 1 << 19 (with a widened copy per reduction, before the one copy per chunk).
 CHUNK_VALUES = 1 << 18
 
 
@@ -59,27 +60,31 @@ def layer_statistics(states: torch.Tensor) -> LayerStatistics:
 def _accumulate(x: torch.Tensor, totals: torch.Tensor, counts: torch.Tensor) -> None:
     """Add one chunk of token rows [rows, layers, hidden] to the running float64 sums.
 
-    Each statistic is a reduction over the hidden dimension that accumulates in float64
-    (``dtype=``), then one over the chunk's rows. ``|x|`` is the one temporary of the
-    chunk's size (in its own dtype): its sum and max are plain reductions, where
-    ``vector_norm``'s 1- and inf-norms take a slow path on the CPU (10x and 30x a sum on
-    one thread here); both propagate NaN alike.
+    The chunk is widened to float64 once, and every statistic is a reduction of that
+    copy over the hidden dimension, then over the chunk's rows: a float64 reduction of
+    a narrower tensor (``dtype=``) makes its own widened copy each time, which was most
+    of this function's time (three copies a chunk). ``|x|`` overwrites the copy once
+    the signed sum and the norm have read it; its sum and max are plain reductions,
+    where ``vector_norm``'s 1- and inf-norms take a slow path on the CPU (10x and 30x a
+    sum on one thread here). The conversion is exact, so the sums are those of the
+    float64 values whatever the states' dtype.
     """
     import torch
 
-    magnitude = x.abs()
-    row_sum, row_max = x.sum(dim=2, dtype=torch.float64), magnitude.amax(dim=2)
+    wide = x.to(torch.float64)
+    row_sum = wide.sum(dim=2)
+    row_norm = torch.linalg.vector_norm(wide, 2, dim=2)
+    magnitude = wide.abs_()
+    row_max = magnitude.amax(dim=2)
     # NaN or Inf anywhere makes its row's sum or max non-finite: only then mask them.
     if not bool(torch.isfinite(row_sum).all() and torch.isfinite(row_max).all()):
         finite = torch.isfinite(x)
         counts[1] += (~finite).sum(dim=(0, 2))
-        x = torch.where(finite, x, 0)
-        magnitude = x.abs()
-        row_sum, row_max = x.sum(dim=2, dtype=torch.float64), magnitude.amax(dim=2)
-    row_norm = torch.linalg.vector_norm(x, 2, dim=2, dtype=torch.float64)
+        _accumulate(torch.where(finite, x, 0), totals, counts)
+        return
     totals[0] += row_sum.sum(dim=0)
     totals[1] += (row_norm * row_norm).sum(dim=0)
-    totals[2] += magnitude.sum(dim=2, dtype=torch.float64).sum(dim=0)
+    totals[2] += magnitude.sum(dim=2).sum(dim=0)
     totals[3] += row_norm.sum(dim=0)
-    totals[4] = torch.maximum(totals[4], row_max.amax(dim=0).to(torch.float64))
+    totals[4] = torch.maximum(totals[4], row_max.amax(dim=0))
     counts[0] += (row_max == 0).sum(dim=0)
