@@ -298,8 +298,8 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   rounds with huge pages on both sides read 0.86, 0.87, 0.94, 0.96 (16x256 @1, 64x256
   @8, 64x256 @64, 4x2048 @1): extraction's own gap. Per 2 MiB object hsx's writer
   takes about 3.8 ms of CPU over its threads (storage 1.1, SHA-256 1.07, validation and
-  statistics 1.2, its loop 0.43), the peer's `save_file` 0.61. Run G (the table's, 8 rounds of the stock pair):
-  hsx / peer 0.97, 0.92, 0.88, 0.98, 0.96, 0.94 on the random model (run F: 1.01,
+  statistics 1.2, its loop 0.43), the peer's `save_file` 0.61. Run G (the table's, 8
+  rounds of the stock pair): hsx / peer 0.97, 0.92, 0.88, 0.98, 0.96, 0.94 on the random model (run F: 1.01,
   0.89, 0.94, 0.89, 0.93, 0.90) and 0.91, 1.01, 0.88, 0.93, 0.90 on SmolLM2-135M (run
   F: 0.90, 0.93, 0.89, 0.93, 0.90); hsx-plain / stock 0.99, 1.02, 1.05, 0.99. So at 1
   and 8 in flight three runs of 8 stock rounds agree within 0.03 (0.96-0.99, 0.99-1.02)
