@@ -280,35 +280,34 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   not give one answer to 0.03 with 4 rounds. The stock target (0.99) is met on every
   set in run F and at 64 in flight and 2048 tokens in run E (0.95 and 0.97 at 1 and 8).
 - **8 rounds of the stock pair, and what is left (issue 31, 2026-11-28, sixth stop)**:
-  the same host as the fifth stop. Two runs of 8 rounds of the stock pair, back to
-  back, read 0.98 and 0.96 at 16x256 @1, 0.99 and 1.00 at 64x256 @8, 1.07 and 1.11 at
-  64x256 @64, 1.05 and 1.12 at 8x2048 @8: within 0.02 at 1 and 8 in flight, where two
-  4-round runs had differed by 0.04; at 64 in flight and 2048 tokens the stock side,
-  on 4 KiB pages, stays bimodal between processes (4.46-5.74 s for one set over 16
-  processes), so those rows still move by 0.04-0.07. The full run now takes
-  {FULL.stock_rounds} rounds of the stock pair. hsx-plain / stock at 1 in flight is
-  0.95-0.99 in every run; 4-round pairs split it into vLLM's `extract_hidden_states`
-  method on a stock engine (stock-spec / stock 0.97, 0.96 with 16-token prompts) and
-  hsx's engine around it (hsx-plain / stock-spec 0.98, 0.96), each within a 4-round
-  pair's noise; vLLM's spin instead of hsx's poll pause reads no better (0.95, 0.90).
-  hsx / peer with huge pages on both sides, 2-round pairs: 0.83 and 0.93 (16x256 @1,
-  64x256 @8) with fsync, 0.90 and 0.95 without (`storage.local.fsync=false`, an
-  experiment), so durability is about 7 of the 17 points at 1 in flight
-  (docs/profile.md, "What is left"). In the hsx / peer rows' own binding (`0-1`), 4
-  rounds with huge pages on both sides read 0.86, 0.87, 0.94, 0.96 (16x256 @1, 64x256
-  @8, 64x256 @64, 4x2048 @1): extraction's own gap. Per 2 MiB object hsx's writer
-  takes about 3.8 ms of CPU over its threads (storage 1.1, SHA-256 1.07, validation and
-  statistics 1.2, its loop 0.43), the peer's `save_file` 0.61. Run G (the table's, 8
-  rounds of the stock pair): hsx / peer 0.97, 0.92, 0.88, 0.98, 0.96, 0.94 on the random model (run F: 1.01,
-  0.89, 0.94, 0.89, 0.93, 0.90) and 0.91, 1.01, 0.88, 0.93, 0.90 on SmolLM2-135M (run
-  F: 0.90, 0.93, 0.89, 0.93, 0.90); hsx-plain / stock 0.99, 1.02, 1.05, 0.99. So at 1
-  and 8 in flight three runs of 8 stock rounds agree within 0.03 (0.96-0.99, 0.99-1.02)
-  and at 64 in flight and 2048 tokens they do not (1.05-1.11, 0.99-1.12); the hsx /
-  peer rows of runs F and G agree within 0.03 on 6 of 11 sets and differ by up to 0.09
-  (random 4x2048 @1 0.89 and 0.98, SmolLM2 32x256 @8 0.93 and 1.01). Run G's hsx
-  sides after its first minutes ran the statistics that widen each chunk once
-  (`service/engine/statistics.py`, committed while it ran: about 0.1 ms less CPU per
-  2 MiB object, below the rows' noise).
+  the same host as the fifth stop. Two runs of 8 rounds of the stock pair, back to back,
+  read 0.98 and 0.96 at 16x256 @1, 0.99 and 1.00 at 64x256 @8, 1.07 and 1.11 at 64x256
+  @64, 1.05 and 1.12 at 8x2048 @8: within 0.02 at 1 and 8 in flight, where two 4-round
+  runs had differed by 0.04; at 64 in flight and 2048 tokens the stock side, on 4 KiB
+  pages, stays bimodal between processes (4.46-5.74 s for one set over 16 processes), so
+  those rows still move by 0.04-0.07. The full run now takes {FULL.stock_rounds} rounds
+  of the stock pair. hsx-plain / stock at 1 in flight is 0.95-0.99 in every run; 4-round
+  pairs split it into vLLM's `extract_hidden_states` method on a stock engine
+  (stock-spec / stock 0.97, 0.96 with 16-token prompts) and hsx's engine around it
+  (hsx-plain / stock-spec 0.98, 0.96), each within a 4-round pair's noise; vLLM's spin
+  instead of hsx's poll pause reads no better (0.95, 0.90). hsx / peer with huge pages
+  on both sides, 2-round pairs: 0.83 and 0.93 (16x256 @1, 64x256 @8) with fsync, 0.90
+  and 0.95 without (`storage.local.fsync=false`, an experiment), so durability is about
+  7 of the 17 points at 1 in flight (docs/profile.md, "What is left"). In the hsx / peer
+  rows' own binding (`0-1`), 4 rounds with huge pages on both sides read 0.86, 0.87,
+  0.94, 0.96 (16x256 @1, 64x256 @8, 64x256 @64, 4x2048 @1): extraction's own gap. Per 2
+  MiB object hsx's writer takes about 3.8 ms of CPU over its threads (storage 1.1,
+  SHA-256 1.07, validation and statistics 1.2, its loop 0.43), the peer's `save_file`
+  0.61. Run G (the table's, 8 rounds of the stock pair): hsx / peer 0.97, 0.92, 0.88,
+  0.98, 0.96, 0.94 on the random model (run F: 1.01, 0.89, 0.94, 0.89, 0.93, 0.90) and
+  0.91, 1.01, 0.88, 0.93, 0.90 on SmolLM2-135M (run F: 0.90, 0.93, 0.89, 0.93, 0.90);
+  hsx-plain / stock 0.99, 1.02, 1.05, 0.99. So at 1 and 8 in flight three runs of 8
+  stock rounds agree within 0.03 (0.96-0.99, 0.99-1.02) and at 64 in flight and 2048
+  tokens they do not (1.05-1.11, 0.99-1.12); the hsx / peer rows of runs F and G agree
+  within 0.03 on 6 of 11 sets and differ by up to 0.09 (random 4x2048 @1 0.89 and 0.98,
+  SmolLM2 32x256 @8 0.93 and 1.01). Run G's hsx sides after its first minutes ran the
+  statistics that widen each chunk once (`service/engine/statistics.py`, committed while
+  it ran: about 0.1 ms less CPU per 2 MiB object, below the rows' noise).
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
   0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
