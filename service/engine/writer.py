@@ -317,8 +317,14 @@ class WriterPool:
         # writer spins up its own OpenMP team against the forward pass's cores.
         encoders = named_pool(max_concurrent_writes, "hsx-encode", _one_torch_thread)
         forward_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        # Off the forward pass's CPUs before any thread of ours is started.
-        self._loop = LoopThread("hsx-writer", encoders, lambda: _off_the_forward_pass(forward_cpus))
+
+        def prepare_loop_thread() -> None:
+            # Off the forward pass's CPUs before any thread of ours is started; one
+            # intra-op thread, as the encoders': the loop encodes some objects itself.
+            _off_the_forward_pass(forward_cpus)
+            _one_torch_thread()
+
+        self._loop = LoopThread("hsx-writer", encoders, prepare_loop_thread)
         self._storage = open_storage(storage, self._ops, factory=storage_factory)
         self._limit = asyncio.Semaphore(max_concurrent_writes)
         self._pending: set[Future[None]] = set()
@@ -342,7 +348,10 @@ class WriterPool:
             start = time.perf_counter()
             try:
                 aside = inline_bytes is None and _statistics_aside(job)
-                encoded = await asyncio.to_thread(encode, job, defer_statistics=aside)
+                if aside and _encodes_in_place(job):
+                    encoded = encode(job, defer_statistics=True)  # no thread hop
+                else:
+                    encoded = await asyncio.to_thread(encode, job, defer_statistics=aside)
                 ttl_s = job.save.ttl_s
                 del job
                 if aside:
@@ -482,6 +491,16 @@ def _statistics_aside(job: WriteJob) -> bool:
     memory as they are. Device-encoded ones (``copy.prepared``) keep theirs before it,
     which would otherwise hold a decoded full-precision copy through the put."""
     return not job.copy.prepared and job.copy.states.nbytes >= STATISTICS_ASIDE_BYTES
+
+
+def _encodes_in_place(job: WriteJob) -> bool:
+    """Whether ``job`` (its statistics beside the put) is encoded on the writer's loop
+    thread instead of an encode thread: the ``raw`` codec of a completed copy, where the
+    encoding is the validation (two reductions, about 0.05 ms per MiB) and a header over
+    the tensors' own memory. Each hop to a thread and back cost about 0.75 ms right after
+    a forward pass (docs/profile.md, sixth stop); every other codec transforms the
+    states, and an unfinished CUDA copy would block the loop while it waits."""
+    return job.save.codec == "raw" and job.copy.done()
 
 
 def _off_the_forward_pass(forward_cpus: set[int]) -> None:

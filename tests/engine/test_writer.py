@@ -235,6 +235,48 @@ async def test_the_statistics_describe_the_stored_states_wherever_they_run(
     assert completion.bytes_in_flight == 0
 
 
+@pytest.mark.parametrize(
+    ("shape", "codec", "where"),
+    [(LARGE, "raw", "hsx-writer"), (SMALL, "raw", "hsx-encode"), (LARGE, "bf16", "hsx-encode")],
+    ids=["raw-large-in-place", "small-on-an-encoder", "transforming-codec-on-an-encoder"],
+)
+async def test_large_raw_states_are_validated_without_a_thread_hop(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int, int], codec: str, where: str
+) -> None:
+    from service.engine import validation
+
+    threads: list[str] = []
+    check = validation.check_states
+
+    def recording(states: torch.Tensor, layer_ids: Any = None) -> None:
+        threads.append(threading.current_thread().name)
+        check(states, layer_ids)
+
+    monkeypatch.setattr(validation, "check_states", recording)
+    job = rig.job(states(*shape))
+    job = dataclasses.replace(job, save=dataclasses.replace(job.save, codec=codec))
+    completion = await rig.write(job)
+    assert completion.stored is not None
+    assert len(threads) == 1
+    assert threads[0].startswith(where), threads
+    assert load_file(rig.root / job.key)["token_ids"].shape == (shape[0],)
+
+
+async def test_large_invalid_states_validated_in_place_are_refused(rig: Rig) -> None:
+    bad = states(*LARGE)
+    bad[100, 2, 7] = float("nan")
+    job = rig.job(bad)
+    completion = await rig.write(job)
+    assert completion.failure is not None
+    assert (completion.failure.type, completion.failure.reason) == (
+        "invalid_hidden_states",
+        "non_finite",
+    )
+    assert not (rig.root / job.key).exists()
+    assert [op for op in completion.storage_ops if op.operation == "put"] == []
+    assert completion.bytes_in_flight == 0
+
+
 async def test_a_failed_put_waits_for_the_statistics_beside_it(rig: Rig) -> None:
     # The states are the host copy's memory: released after the put, so the statistics
     # thread must be done with them by then, also when the put fails.
