@@ -58,12 +58,30 @@ def layer_statistics(states: torch.Tensor) -> LayerStatistics:
 
 
 def _accumulate(x: torch.Tensor, totals: torch.Tensor, counts: torch.Tensor) -> None:
-    """Add one chunk of token rows [rows, layers, hidden] to the running float64 sums.
+    """Add one chunk of token rows [rows, layers, hidden] to the running float64 sums."""
+    import torch
 
-    The chunk is widened to float64 once, and every statistic is a reduction of that
-    copy over the hidden dimension, then over the chunk's rows: a float64 reduction of
-    a narrower tensor (``dtype=``) makes its own widened copy each time, which was most
-    of this function's time (three copies a chunk). ``|x|`` overwrites the copy once
+    row_sum, row_norm, row_abs, row_max = _row_reductions(x)
+    # NaN or Inf anywhere makes its row's sum or max non-finite: only then mask them.
+    if not bool(torch.isfinite(row_sum).all() and torch.isfinite(row_max).all()):
+        finite = torch.isfinite(x)
+        counts[1] += (~finite).sum(dim=(0, 2))
+        row_sum, row_norm, row_abs, row_max = _row_reductions(torch.where(finite, x, 0))
+    totals[0] += row_sum.sum(dim=0)
+    totals[1] += (row_norm * row_norm).sum(dim=0)
+    totals[2] += row_abs.sum(dim=0)
+    totals[3] += row_norm.sum(dim=0)
+    totals[4] = torch.maximum(totals[4], row_max.amax(dim=0))
+    counts[0] += (row_max == 0).sum(dim=0)
+
+
+def _row_reductions(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each token row's sum, L2 norm, sum of ``|x|`` and max of ``|x|`` [rows, layers],
+    in float64.
+
+    The chunk is widened to float64 once and every reduction reads that copy: a float64
+    reduction of a narrower tensor (``dtype=``) makes its own widened copy each time,
+    which was most of this work (three copies a chunk). ``|x|`` overwrites the copy once
     the signed sum and the norm have read it; its sum and max are plain reductions,
     where ``vector_norm``'s 1- and inf-norms take a slow path on the CPU (10x and 30x a
     sum on one thread here). The conversion is exact, so the sums are those of the
@@ -75,16 +93,4 @@ def _accumulate(x: torch.Tensor, totals: torch.Tensor, counts: torch.Tensor) -> 
     row_sum = wide.sum(dim=2)
     row_norm = torch.linalg.vector_norm(wide, 2, dim=2)
     magnitude = wide.abs_()
-    row_max = magnitude.amax(dim=2)
-    # NaN or Inf anywhere makes its row's sum or max non-finite: only then mask them.
-    if not bool(torch.isfinite(row_sum).all() and torch.isfinite(row_max).all()):
-        finite = torch.isfinite(x)
-        counts[1] += (~finite).sum(dim=(0, 2))
-        _accumulate(torch.where(finite, x, 0), totals, counts)
-        return
-    totals[0] += row_sum.sum(dim=0)
-    totals[1] += (row_norm * row_norm).sum(dim=0)
-    totals[2] += magnitude.sum(dim=2).sum(dim=0)
-    totals[3] += row_norm.sum(dim=0)
-    totals[4] = torch.maximum(totals[4], row_max.amax(dim=0))
-    counts[0] += (row_max == 0).sum(dim=0)
+    return row_sum, row_norm, magnitude.sum(dim=2), magnitude.amax(dim=2)
