@@ -11,10 +11,12 @@ Sides: ``hsx`` (``Extractor.extract``: durable objects), ``hsx-plain`` (the same
 plain requests), ``peer`` (a stock ``AsyncLLM`` with ``extract_hidden_states`` and
 vLLM's ``ExampleHiddenStatesConnector``, ``benchmarks.peer_connector``; a request is
 done when its file's lock is released) and ``stock`` (a stock ``AsyncLLM``, no
-speculative method, no connector, plain requests). Two more isolate one difference
+speculative method, no connector, plain requests). Three more isolate one difference
 each between hsx's engine and a stock one: ``stock-spec`` (a stock engine with the
-``extract_hidden_states`` method but no connector) and ``stock-malloc`` (a stock engine
-whose worker fixes glibc's mmap threshold at 1 MiB, as hsx's worker does).
+``extract_hidden_states`` method but no connector), ``stock-sync`` (a stock engine with
+vLLM's async scheduling off, as vLLM turns it off for that method) and ``stock-malloc``
+(a stock engine whose worker fixes glibc's mmap threshold at 1 MiB, as hsx's worker
+does).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from benchmarks.engine_sides import WARM_PROMPTS, Prompts, Side, extraction_side
 from service.config import Settings
 from service.engine.openmp import parse_cpus
 
-SIDES = ("hsx", "hsx-plain", "peer", "stock", "stock-spec", "stock-malloc")
+SIDES = ("hsx", "hsx-plain", "peer", "stock", "stock-spec", "stock-sync", "stock-malloc")
 #: The largest chunk of prompt tokens one engine step takes, on every side.
 MAX_BATCHED_TOKENS = 2048
 #: Prompt token ids are drawn from [3, VOCAB): the random model's vocabulary, and
@@ -112,8 +114,9 @@ def vllm_args(settings: Settings, connector_dir: Path | None, side: str = "stock
     """hsx's own engine arguments with hsx's connector and worker extension taken out;
     with ``connector_dir`` the speculative method stays and vLLM's connector writes
     there, without it the speculative method goes too (the stock engine), except on
-    ``stock-spec`` (the speculative method, no connector); ``stock-malloc`` gets
-    :class:`MallocExtension` to set hsx's malloc option in its worker."""
+    ``stock-spec`` (the speculative method, no connector); ``stock-sync`` is the stock
+    engine with async scheduling off; ``stock-malloc`` gets :class:`MallocExtension` to
+    set hsx's malloc option in its worker."""
     from vllm.config import KVTransferConfig
 
     from service.engine.builder import engine_args, read_model_info
@@ -125,9 +128,11 @@ def vllm_args(settings: Settings, connector_dir: Path | None, side: str = "stock
         return dataclasses.replace(args, kv_transfer_config=None, worker_extension_cls="")
     if connector_dir is None:
         extension = "benchmarks.peer_side.MallocExtension" if side == "stock-malloc" else ""
-        return dataclasses.replace(
+        stock = dataclasses.replace(
             args, speculative_config=None, kv_transfer_config=None, worker_extension_cls=extension
         )
+        # None: vLLM's choice (on for a stock engine); vLLM forces it off for the method.
+        return dataclasses.replace(stock, async_scheduling=False) if side == "stock-sync" else stock
     connector = KVTransferConfig(
         kv_connector="CpuHiddenStatesConnector",
         kv_connector_module_path="benchmarks.peer_connector",
@@ -259,6 +264,20 @@ def _own_seconds() -> float:
     return total
 
 
+def _own_faults() -> int:
+    """Minor page faults this process and its descendants (the engine) have taken so far:
+    with 4 KiB pages a forward pass's fresh memory costs one each, with huge pages one
+    per 2 MiB, so a side whose set times spread can be checked against them."""
+    import psutil
+
+    total = 0
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error, OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{process.pid}/stat").read_text()
+            total += int(stat.rsplit(")", 1)[1].split()[7])  # minflt, field 10
+    return total
+
+
 def thread_seconds() -> dict[str, float]:
     """CPU seconds so far of every thread of this process and its descendants, summed by
     ``process name/thread name`` as the kernel has them (``VLLM::Worker/gloo_tcp_loop``;
@@ -288,6 +307,7 @@ class SetResult:
     cpu: float  # this process and its engine
     foreign: float  # share of the machine's CPU other processes used meanwhile
     threads: dict[str, float]  # CPU seconds by process/thread name (``thread_seconds``)
+    faults: int = 0  # minor page faults of this process and its engine (``_own_faults``)
 
 
 async def timed_set(side: Side, prompt_set: PromptSet, seed: int) -> SetResult:
@@ -297,13 +317,16 @@ async def timed_set(side: Side, prompt_set: PromptSet, seed: int) -> SetResult:
     prompts = prompts_for(prompt_set, seed)
     run = functools.partial(in_flight, side, prompts, prompt_set.in_flight)
     busy, own, threads = _busy_seconds(), _own_seconds(), thread_seconds()
+    faults = _own_faults()
     seconds = (await timed(run, 1))[0]
+    faults = _own_faults() - faults
     own = _own_seconds() - own
     after = thread_seconds()
     by_thread = {k: round(v - threads.get(k, 0.0), 3) for k, v in after.items()}
     foreign = (_busy_seconds() - busy) - own
     share = max(foreign, 0.0) / (seconds * (os.cpu_count() or 1))
-    return SetResult(seconds, own, share, {k: v for k, v in by_thread.items() if v > 0})
+    threads_used = {k: v for k, v in by_thread.items() if v > 0}
+    return SetResult(seconds, own, share, threads_used, faults)
 
 
 async def one_round(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,6 +349,7 @@ async def one_round(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_seconds": {name: r.cpu for name, r in results.items()},
         "foreign_cpu": {name: r.foreign for name, r in results.items()},
         "thread_seconds": {name: r.threads for name, r in results.items()},
+        "minor_faults": {name: r.faults for name, r in results.items()},
         "start_s": start_s,
         "thread_cpus": bound,
         "worker_cpus": workers,

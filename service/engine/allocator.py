@@ -17,6 +17,18 @@ share of its in-flight ceiling has been released, and once it has been idle for
 ``IDLE_TRIM_S`` (:class:`Trimmer`): the forward pass reuses its heap between trims,
 and freed objects leave RSS within a bounded number of bytes. ``fix_mmap_threshold``
 stays for callers who want the old behaviour in a process of their own.
+
+glibc's dynamic thresholds left one more thing to chance: whether a CPU worker's
+forward pass reuses its heap at all. The trim threshold follows the mmap threshold (twice
+the largest block freed from ``mmap``), and a step that frees more than that at the top
+of the heap gives it back to the system, for the next step to fault in again, page by
+page. Which blocks a process happens to free first decides it: stock vLLM engines on the
+2-core test machine took 0-4 thousand minor faults in one process and 380-690 thousand
+in another for the same 64 prompts of 256 tokens, and ran 20-30% slower in the second
+(docs/profile.md, "The stock engine's two speeds"). A CPU worker therefore fixes both
+thresholds (:func:`steady_heap`, from the connector): blocks up to 32 MiB come from the
+heap, and nothing is given back by itself; the :class:`Trimmer` alone gives back, in
+bounded steps and when idle, as before.
 """
 
 from __future__ import annotations
@@ -27,8 +39,16 @@ import logging
 
 log = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
+M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
+#: glibc's largest mmap threshold on 64-bit hosts (half its 64 MiB arena heap): blocks
+#: up to this size come from the heap under :func:`steady_heap`; larger ones are mapped.
+STEADY_MMAP_THRESHOLD = 32 << 20
+#: Free memory at the top of a heap that glibc keeps under :func:`steady_heap` rather
+#: than giving back by itself: a safety valve for a one-off spike, far above what a step
+#: of the forward pass frees (its blocks above 32 MiB are mapped, not on the heap).
+STEADY_TRIM_THRESHOLD = 1 << 30
 
 
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
@@ -41,6 +61,28 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
         return False
     if libc.mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
         log.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused; RSS may stay high", nbytes)
+        return False
+    return True
+
+
+def steady_heap() -> bool:
+    """Fix glibc's mmap and trim thresholds in this process so that freed blocks up to
+    :data:`STEADY_MMAP_THRESHOLD` stay on the heap for the next allocation, and no free
+    gives memory back by itself (a :class:`Trimmer` does, when called).
+
+    For a CPU worker: its forward pass allocates and frees the same blocks every step,
+    and with glibc's dynamic thresholds whether it reuses them or faults them in again
+    each step depended on the order of the process's first frees. Returns False (and
+    changes nothing) where the C library is not glibc or refuses a value.
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    if libc.mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD) != 1:
+        log.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused", STEADY_MMAP_THRESHOLD)
+        return False
+    if libc.mallopt(M_TRIM_THRESHOLD, STEADY_TRIM_THRESHOLD) != 1:
+        log.warning("mallopt(M_TRIM_THRESHOLD, %d) was refused", STEADY_TRIM_THRESHOLD)
         return False
     return True
 

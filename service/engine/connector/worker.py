@@ -69,8 +69,10 @@ class HsxConnectorWorker:
             )
         if self._cache.device.type == "cpu":
             from service.engine import cpu_mamba
+            from service.engine.allocator import steady_heap
 
             cpu_mamba.install()  # every rank: each runs its own Mamba layers
+            steady_heap()  # every rank: each runs its own forward pass on the heap
         if get_tensor_model_parallel_rank() != 0:
             return
         config = self._config
