@@ -170,6 +170,15 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   large activations on `mmap` (issue 31, `docs/profile.md`); the writer now trims the
   heap instead (`malloc_trim` every quarter of the ceiling released, and after 1 s idle:
   `service/engine/allocator.py`).
+- **a steady heap (issue 31, 2026-11-28, seventh stop)**: these rows were run again on
+  this stop's host, after the CPU worker began to fix glibc's thresholds
+  (`allocator.steady_heap`: blocks up to 32 MiB from the heap, no automatic trim, the
+  writer's trims as before). Peak RSS growth 19 MiB against the bound of 384 (the
+  previous table's run, on another host before the change: 155 MiB). Extraction / same
+  engine 0.93 at both lengths (the previous table 0.93 and 0.97, another host), vanilla
+  0.99 and 1.02, transformers 2.00 and 2.06. Both sides of the same-engine row run with
+  the steady heap, and these rows were not run on this host before it, so what it did
+  to them is not measured here; its effect is measured in the peer bench's notes.
 """
 
 

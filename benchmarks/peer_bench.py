@@ -308,6 +308,34 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   SmolLM2 32x256 @8 0.93 and 1.01). Run G's hsx sides after its first minutes ran the
   statistics that widen each chunk once (`service/engine/statistics.py`, committed while
   it ran: about 0.1 ms less CPU per 2 MiB object, below the rows' noise).
+- **a steady heap (issue 31, 2026-11-28, seventh stop)**: each side's result now has
+  its minor page faults per set (`peer_side._own_faults`). They explain the stock
+  side's two speeds: at 64x256 @64 a stock engine took 0-4 thousand faults in some
+  processes (4.07-4.15 s) and 380-700 thousand in others (4.97-5.61 s), the same for
+  the peer (99-284 thousand at 64x256 @64, 287-554 thousand at 16x2048 @16): glibc's
+  dynamic thresholds (twice the largest block freed from `mmap`) made some processes
+  give their forward pass's heap back at every step's end and fault it in again, and
+  which ones depended on the order of their first frees. hsx's CPU worker now fixes
+  them (`allocator.steady_heap`: blocks up to 32 MiB from the heap, no automatic trim;
+  the writer's Trimmer still gives memory back): hsx-plain's faults at 64x256 @64 went
+  from 62-92 thousand to 0.3-1.9 thousand, and 3 alternating runs each took 4.33 s
+  against 4.57 (64x256 @64), 5.54 against 5.66 (8x2048 @8), 4.35 against 4.44 (64x256
+  @8), 1.21 against 1.22 (16x256 @1); the engine bench's RSS growth row reads 19 MiB.
+  Two full runs after it, an hour apart: run H, hsx / peer 0.97, 1.07, 1.17, 0.96,
+  1.00, 1.02 on the random model and 0.90, 1.01, 1.04, 1.03, 1.02 on SmolLM2-135M;
+  run I (the table's) 0.78, 0.85, 0.90, 0.94, 0.98, 0.97 and 0.95, 1.00, 1.03, 1.04,
+  0.98 (run G, before: 0.97, 0.92, 0.88, 0.98, 0.96, 0.94 and 0.91, 1.01, 0.88, 0.93,
+  0.90). SmolLM2's rows agree within 0.05 and are at least 1.0 on the same three sets
+  in both; the random model's at 256 tokens differ by up to 0.27, all of it the peer's
+  side (64x256 @64: the peer 2.89-3.42 s in H, 2.48-2.63 in I; hsx 2.75-2.85 and
+  2.67-2.91). hsx-plain / stock 0.95, 0.98, 1.08, 1.04 (H) and 0.99, 1.00, 1.17, 1.09
+  (I); run G 0.99, 1.02, 1.05, 0.99. Tried and not kept (docs/profile.md, seventh stop):
+  the writer's threads at `SCHED_IDLE` (slower at 1, 8 and 64 in flight: 0.84 to 0.96 s,
+  3.24 to 3.46, 3.07 to 3.19); Intel OpenMP preloaded (16x256 @1 1.22 to 1.19 s, 64x256
+  @8 4.52 to 4.87); the stock side without address-space randomisation (medians
+  unchanged). vLLM's async scheduling, which it turns off for the method, is not the
+  method's cost: a stock engine with it off (`stock-sync`) / stock read 1.00, 1.05, 0.97
+  (16x256 @1, 256x16 @1, 64x256 @8, 4 rounds).
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
   0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
@@ -506,7 +534,8 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
 
 #: One difference each between hsx's engine and a stock one (``peer_side``'s sides).
 SUSPECTS = (
-    ("stock-malloc", "stock", "stock + hsx's 1 MiB mmap threshold in the worker / stock"),
+    ("stock-malloc", "stock", "stock + hsx's steady heap in the worker / stock"),
+    ("stock-sync", "stock", "stock with async scheduling off / stock"),
     ("stock-spec", "stock", "stock + extract_hidden_states method (no connector) / stock"),
     ("hsx-plain", "stock-spec", "hsx engine without extraction / stock + the same method"),
 )

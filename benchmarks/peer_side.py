@@ -15,8 +15,8 @@ speculative method, no connector, plain requests). Three more isolate one differ
 each between hsx's engine and a stock one: ``stock-spec`` (a stock engine with the
 ``extract_hidden_states`` method but no connector), ``stock-sync`` (a stock engine with
 vLLM's async scheduling off, as vLLM turns it off for that method) and ``stock-malloc``
-(a stock engine whose worker fixes glibc's mmap threshold at 1 MiB, as hsx's worker
-does).
+(a stock engine whose worker fixes glibc's malloc thresholds as hsx's CPU worker does,
+``service.engine.allocator.steady_heap``).
 """
 
 from __future__ import annotations
@@ -194,9 +194,9 @@ async def open_side(args: argparse.Namespace) -> AsyncIterator[Side]:
     engine = AsyncLLM.from_engine_args(vllm_args(settings, directory, args.side))
     try:
         if args.side == "stock-malloc":  # what hsx's worker does for itself (allocator.py)
-            fixed = await engine.collective_rpc("peer_bench_fix_mmap_threshold")
+            fixed = await engine.collective_rpc("peer_bench_steady_heap")
             if not all(fixed):
-                raise RuntimeError("mallopt(M_MMAP_THRESHOLD) was refused in the worker")
+                raise RuntimeError("mallopt was refused in the worker")
         yield plain_side(engine) if directory is None else peer_side(engine, directory)
     finally:
         engine.shutdown()
@@ -205,15 +205,15 @@ async def open_side(args: argparse.Namespace) -> AsyncIterator[Side]:
 
 class MallocExtension:
     """vLLM worker extension of the ``stock-malloc`` side: one method that applies hsx's
-    worker allocator setting (``service.engine.allocator.fix_mmap_threshold``: glibc's
-    mmap threshold fixed at 1 MiB) in the worker process, so that this one suspect can be
-    measured on a stock engine."""
+    CPU worker allocator setting (``service.engine.allocator.steady_heap``: glibc's mmap
+    threshold fixed at 32 MiB and no automatic trim) in the worker process, so that this
+    one difference can be measured on a stock engine."""
 
-    def peer_bench_fix_mmap_threshold(self) -> bool:
-        """Fix the worker's mmap threshold as hsx's worker does; False if refused."""
-        from service.engine.allocator import fix_mmap_threshold
+    def peer_bench_steady_heap(self) -> bool:
+        """Fix the worker's malloc thresholds as hsx's CPU worker does; False if refused."""
+        from service.engine.allocator import steady_heap
 
-        return fix_mmap_threshold()
+        return steady_heap()
 
 
 def worker_cpus() -> list[str]:

@@ -24,7 +24,7 @@ the largest block freed from ``mmap``), and a step that frees more than that at 
 of the heap gives it back to the system, for the next step to fault in again, page by
 page. Which blocks a process happens to free first decides it: stock vLLM engines on the
 2-core test machine took 0-4 thousand minor faults in one process and 380-690 thousand
-in another for the same 64 prompts of 256 tokens, and ran 20-30% slower in the second
+in another for the same 64 prompts of 256 tokens, and ran up to 37% slower in the second
 (docs/profile.md, "The stock engine's two speeds"). A CPU worker therefore fixes both
 thresholds (:func:`steady_heap`, from the connector): blocks up to 32 MiB come from the
 heap, and nothing is given back by itself; the :class:`Trimmer` alone gives back, in
@@ -72,8 +72,8 @@ def steady_heap() -> bool:
 
     For a CPU worker: its forward pass allocates and frees the same blocks every step,
     and with glibc's dynamic thresholds whether it reuses them or faults them in again
-    each step depended on the order of the process's first frees. Returns False (and
-    changes nothing) where the C library is not glibc or refuses a value.
+    each step depended on the order of the process's first frees. Returns False where
+    the C library is not glibc (nothing changed) or refuses a value (logged).
     """
     libc = _glibc()
     if libc is None:
