@@ -56,13 +56,7 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
 
     Returns False (and changes nothing) where the C library is not glibc.
     """
-    libc = _glibc()
-    if libc is None:
-        return False
-    if libc.mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
-        log.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused; RSS may stay high", nbytes)
-        return False
-    return True
+    return _mallopt(("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, nbytes))
 
 
 def steady_heap() -> bool:
@@ -75,15 +69,22 @@ def steady_heap() -> bool:
     each step depended on the order of the process's first frees. Returns False where
     the C library is not glibc (nothing changed) or refuses a value (logged).
     """
+    return _mallopt(
+        ("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD),
+        ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, STEADY_TRIM_THRESHOLD),
+    )
+
+
+def _mallopt(*options: tuple[str, int, int]) -> bool:
+    """glibc's ``mallopt`` for each ``(name, parameter, value)`` in turn; False (with a
+    warning) at the first it refuses, or where the C library is not glibc."""
     libc = _glibc()
     if libc is None:
         return False
-    if libc.mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD) != 1:
-        log.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused", STEADY_MMAP_THRESHOLD)
-        return False
-    if libc.mallopt(M_TRIM_THRESHOLD, STEADY_TRIM_THRESHOLD) != 1:
-        log.warning("mallopt(M_TRIM_THRESHOLD, %d) was refused", STEADY_TRIM_THRESHOLD)
-        return False
+    for name, parameter, value in options:
+        if libc.mallopt(parameter, value) != 1:
+            log.warning("mallopt(%s, %d) was refused; the worker's RSS may differ", name, value)
+            return False
     return True
 
 
