@@ -321,6 +321,9 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   from 62-92 thousand to 0.3-1.9 thousand, and 3 alternating runs each took 4.33 s
   against 4.57 (64x256 @64), 5.54 against 5.66 (8x2048 @8), 4.35 against 4.44 (64x256
   @8), 1.21 against 1.22 (16x256 @1); the engine bench's RSS growth row reads 19 MiB.
+  A stock engine with the same setting (`stock-malloc`) / stock, 4 rounds: 1.02, 0.99,
+  1.13, 1.11 (16x256 @1, 64x256 @8, 64x256 @64, 8x2048 @8), 8-19 faults at 8x2048 @8
+  in every process against 7-707 thousand.
   Two full runs after it, an hour apart: run H, hsx / peer 0.97, 1.07, 1.17, 0.96,
   1.00, 1.02 on the random model and 0.90, 1.01, 1.04, 1.03, 1.02 on SmolLM2-135M;
   run I (the table's) 0.78, 0.85, 0.90, 0.94, 0.98, 0.97 and 0.95, 1.00, 1.03, 1.04,
