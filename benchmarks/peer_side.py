@@ -252,12 +252,19 @@ def _busy_seconds() -> float:
     return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
 
 
+def _own_processes() -> list[Any]:
+    """This process and its descendants (the engine's), as ``psutil.Process`` objects."""
+    import psutil
+
+    return [psutil.Process(), *psutil.Process().children(recursive=True)]
+
+
 def _own_seconds() -> float:
     """CPU seconds this process and its descendants (the engine) have used so far."""
     import psutil
 
     total = 0.0
-    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    for process in _own_processes():
         with contextlib.suppress(psutil.Error):
             times = process.cpu_times()
             total += times.user + times.system
@@ -271,7 +278,7 @@ def _own_faults() -> int:
     import psutil
 
     total = 0
-    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    for process in _own_processes():
         with contextlib.suppress(psutil.Error, OSError, IndexError, ValueError):
             stat = Path(f"/proc/{process.pid}/stat").read_text()
             total += int(stat.rsplit(")", 1)[1].split()[7])  # minflt, field 10
@@ -288,7 +295,7 @@ def thread_seconds() -> dict[str, float]:
     import psutil
 
     found: dict[str, float] = {}
-    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    for process in _own_processes():
         with contextlib.suppress(psutil.Error, OSError):
             prefix = process.name()
             for thread in process.threads():
