@@ -64,6 +64,9 @@ class Plan:
     stock_sets: tuple[str, ...]  # on the first model
     rounds: int  # per pair of sides: one process per side per round, ABBA
     stock_rounds: int
+    # On the first model, ``rounds`` rounds: vLLM's extract_hidden_states method on a
+    # stock engine (no connector) / stock, the method's own cost; none: no such rows.
+    method_sets: tuple[str, ...] = ()
     suspect_sets: tuple[str, ...] = ()  # on the first model; none: no suspect rows
     quiet_wait_s: float = 20.0  # before each side's process (``wait_until_quiet``)
 
@@ -94,6 +97,7 @@ FULL = Plan(
     # processes: two runs of 4 rounds differed by up to 0.09, two of 8 agreed within
     # 0.02 at 1 and 8 in flight (2026-11-28, sixth stop; docs/profile.md).
     stock_rounds=8,
+    method_sets=("256x16@1", "2048x8@8"),
     # The suspect rows found the cause (docs/profile.md, issue 31) and cost about 9
     # minutes a run; `SUSPECT_PLAN` runs them again.
     suspect_sets=(),
@@ -464,14 +468,20 @@ async def run_side(
 
 
 def side_environment(side: str) -> dict[str, str]:
-    """The environment a side's process starts with: this process's, and on hsx's sides
-    the huge-page switch as ``hsx serve`` sets it before torch loads (its default,
-    ``engine.cpu_huge_pages``); vLLM's sides run as shipped, without it. A value the
-    caller set applies to every side, as a binding the caller sets does."""
+    """The environment a side's process starts with: this process's; on every side
+    glibc's malloc with the thresholds of hsx's CPU worker (``GLIBC_TUNABLES``,
+    ``allocator.STEADY_HEAP_TUNABLES``), so that no side's speed depends on which
+    blocks its processes happened to free first (with glibc's dynamic thresholds a
+    stock engine's time per set is bimodal between processes, up to 25% apart); and on
+    hsx's sides the huge-page switch as ``hsx serve`` sets it before torch loads (its
+    default, ``engine.cpu_huge_pages``), which vLLM's sides run without, as shipped. A
+    value the caller set applies to every side, as a binding the caller sets does."""
     from service.config import EngineSettings
+    from service.engine.allocator import STEADY_HEAP_TUNABLES
     from service.engine.hugepages import ask_for_huge_pages
 
     environ = dict(os.environ)
+    environ.setdefault("GLIBC_TUNABLES", STEADY_HEAP_TUNABLES)
     if side.startswith("hsx"):
         ask_for_huge_pages(EngineSettings().cpu_huge_pages, environ)
     return environ
@@ -531,8 +541,21 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
             what = f"hsx engine without extraction / stock vLLM, workers on CPUs {stock_bind}"
             rows += pair_rows(what, model, stock, ">= 0.99")
             rows += mfu_rows(stock_peak, directory, model, stock)
+            rows += await method_rows(launch, model, plan)
             rows += await suspect_rows(launch, model, plan)
     return rows
+
+
+async def method_rows(launch: Launch, model: ModelPlan, plan: Plan) -> list[Row]:
+    """What vLLM's ``extract_hidden_states`` method costs a stock engine by itself (no
+    connector, nothing saved), in the stock pair's binding: the part of hsx-plain /
+    stock that any engine which extracts with vLLM's method pays."""
+    if not plan.method_sets:
+        return []
+    results = await abba(launch, ("stock-spec", "stock"), plan.method_sets, plan.rounds)
+    _check_binding(results)
+    what = "stock + vLLM's extract_hidden_states method, no connector / stock"
+    return pair_rows(what, model, results, "info")
 
 
 #: One difference each between hsx's engine and a stock one (``peer_side``'s sides).

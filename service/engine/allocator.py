@@ -49,6 +49,13 @@ STEADY_MMAP_THRESHOLD = 32 << 20
 #: than giving back by itself: a safety valve for a one-off spike, far above what a step
 #: of the forward pass frees (its blocks above 32 MiB are mapped, not on the heap).
 STEADY_TRIM_THRESHOLD = 1 << 30
+#: :func:`steady_heap`'s two settings as glibc's ``GLIBC_TUNABLES`` environment variable,
+#: for every process started with it (a stock vLLM engine included): as with
+#: ``mallopt``, setting either threshold turns glibc's dynamic thresholds off.
+STEADY_HEAP_TUNABLES = (
+    f"glibc.malloc.mmap_threshold={STEADY_MMAP_THRESHOLD}"
+    f":glibc.malloc.trim_threshold={STEADY_TRIM_THRESHOLD}"
+)
 
 
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:

@@ -8,6 +8,7 @@ dynamic adjustment depends on what the process freed before.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -145,9 +146,13 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults_of_five_steps(mode: str) -> int:
+def _faults_of_five_steps(mode: str, env: dict[str, str] | None = None) -> int:
     out = subprocess.run(
-        [sys.executable, "-c", STEP_PROBE, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", STEP_PROBE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=None if env is None else {**os.environ, **env},
     )
     return int(out.stdout)
 
@@ -159,3 +164,11 @@ def test_by_default_every_step_faults_its_blocks_in_again() -> None:
 
 def test_a_steady_heap_reuses_the_blocks_of_the_step_before() -> None:
     assert _faults_of_five_steps("steady") < 1000  # the interpreter's own, not the blocks
+
+
+def test_the_steady_heap_tunables_steady_a_process_that_never_calls_mallopt() -> None:
+    # What the peer bench gives every side's processes, a stock vLLM engine's included.
+    from service.engine.allocator import STEADY_HEAP_TUNABLES
+
+    env = {"GLIBC_TUNABLES": STEADY_HEAP_TUNABLES}
+    assert _faults_of_five_steps("default", env) < 1000
