@@ -143,7 +143,13 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   `engine.cpu_huge_pages`, `service/engine/hugepages.py`; the kernel's mode here is
   `madvise`); the stock and peer sides keep vLLM's `sched_yield` spin, every fetch and
   torch's default 4 KiB pages, as shipped (a caller that sets the switch sets it for
-  every side).
+  every side). Every side's processes start with glibc's malloc thresholds fixed as
+  hsx's CPU worker fixes its own (`GLIBC_TUNABLES`, `allocator.STEADY_HEAP_TUNABLES`:
+  mmap threshold 32 MiB, trim threshold 1 GiB; `peer_bench.side_environment`): with
+  glibc's dynamic thresholds a stock engine's time per set is bimodal between
+  processes (64x256 @64: 3.97-4.15 s or 4.83-5.61 s, by whether its heap stays put),
+  so without it a row measures the share of slow processes a run draws (a caller's
+  own `GLIBC_TUNABLES` applies to every side instead).
 - **method**: each measurement is a process of its own (`benchmarks.peer_side`, as
   `python -m` would run it, forked from a process started for that side and round
   alone, which imported vLLM before the bench waits for a quiet machine:
@@ -185,15 +191,19 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   take minutes per side per round on 2 cores, so the "64 in flight" set at 2048 holds
   16 prompts on the random model, all in flight at once, and the demo model has no
   such set (its 8-prompt set is all in flight already); the rows name the counts.
+  **method rows** (information, in the full run: {", ".join(FULL.method_sets)} on the
+  random model, ABBA, {FULL.rounds} rounds, the stock pair's binding): a stock engine
+  with vLLM's `extract_hidden_states` method and no connector against a stock engine,
+  what the method costs by itself, which any engine that extracts through it pays.
   **suspect rows** (information, not in the default full run: `SUSPECT_PLAN`;
   {SUSPECT_PLAN.suspect_sets[0]} on the random model, ABBA,
   {FULL.stock_rounds} rounds): one difference at a time between hsx's engine without
-  extraction and a stock engine: a stock engine whose worker fixes glibc's mmap
-  threshold at 1 MiB exactly as hsx's worker did until issue 31 (applied
-  through a one-method worker extension in `benchmarks/peer_side.py`); a stock
-  engine with the `extract_hidden_states` method and no connector; and hsx's engine
-  against that one (what is left: hsx's connector, its worker extension, the
-  allocator setting).
+  extraction and a stock engine: a stock engine whose worker calls hsx's
+  `allocator.steady_heap` (a one-method worker extension in `benchmarks/peer_side.py`;
+  under the bench's `GLIBC_TUNABLES` it changes nothing); a stock engine with async
+  scheduling off; a stock engine with the `extract_hidden_states` method and no
+  connector; and hsx's engine against that one (what is left: hsx's connector, its
+  worker extension, its queue polling and draft fetches).
   `--quick`: the tests' tiny model (hidden 128, 4 layers), two small sets, one round
   per side: it shows the bench runs; its numbers mean little.
 - **repeatability (issue 31)**: until 2026-11-28 no side's binding held (the worker is
@@ -343,6 +353,20 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   unchanged). vLLM's async scheduling, which it turns off for the method, is not the
   method's cost: a stock engine with it off (`stock-sync`) / stock read 1.00, 1.05, 0.97
   (16x256 @1, 256x16 @1, 64x256 @8, 4 rounds).
+- **equal heaps (issue 31, 2026-11-29, eighth stop)**: every side's processes now start
+  with `GLIBC_TUNABLES` set to hsx's steady heap (above). A stock engine with it, 3
+  processes each way: 3.97-4.01 s against 4.83-5.15 s as shipped at 64x256 @64, 5.10-5.26
+  against 5.96-6.32 at 8x2048 @8. Two full runs back to back (J, then K, the table's):
+  hsx-plain / stock 0.99, 0.98, 0.98, 1.01 (J) and 0.98, 0.99, 0.98, 0.98 (K; 16x256 @1,
+  64x256 @8, 64x256 @64, 8x2048 @8), within 0.03 on every set (0.01, 0.01, 0.00, 0.03;
+  runs H and I, as shipped, differed by up to 0.09); the method rows 0.97 and 0.99 (J),
+  0.99 and 1.00 (K). hsx / peer: 0.92, 0.87, 0.86, 0.94, 0.93, 0.91 and 0.93, 0.91,
+  0.92, 0.93, 0.95 (J); 0.88, 0.87, 0.87, 0.94, 0.95, 0.96 and 0.87, 0.91, 0.93, 0.95,
+  0.97 (K): 8 of 11 sets within 0.03 (as shipped, runs H and I: 4 of 11, up to 0.27
+  apart), and none at 1.0: the rows at or above 1.0 in runs H and I were peer processes
+  whose heap did not stay put. The stock pair's per-round ratios at 64x256 @64 are now
+  0.94-1.02 and 0.96-1.03 (J, K) against 0.97-1.35 in run I. Where hsx's time goes on
+  equal heaps: docs/profile.md, eighth stop.
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
   0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
