@@ -198,12 +198,10 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   **suspect rows** (information, not in the default full run: `SUSPECT_PLAN`;
   {SUSPECT_PLAN.suspect_sets[0]} on the random model, ABBA,
   {FULL.stock_rounds} rounds): one difference at a time between hsx's engine without
-  extraction and a stock engine: a stock engine whose worker calls hsx's
-  `allocator.steady_heap` (a one-method worker extension in `benchmarks/peer_side.py`;
-  under the bench's `GLIBC_TUNABLES` it changes nothing); a stock engine with async
-  scheduling off; a stock engine with the `extract_hidden_states` method and no
-  connector; and hsx's engine against that one (what is left: hsx's connector, its
-  worker extension, its queue polling and draft fetches).
+  extraction and a stock engine: a stock engine with async scheduling off; a stock
+  engine with the `extract_hidden_states` method and no connector; and hsx's engine
+  against that one (what is left: hsx's connector, its worker extension, its queue
+  polling and draft fetches).
   `--quick`: the tests' tiny model (hidden 128, 4 layers), two small sets, one round
   per side: it shows the bench runs; its numbers mean little.
 - **repeatability (issue 31)**: until 2026-11-28 no side's binding held (the worker is
@@ -335,7 +333,8 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   from 62-92 thousand to 0.3-1.9 thousand, and 3 alternating runs each took 4.33 s
   against 4.57 (64x256 @64), 5.54 against 5.66 (8x2048 @8), 4.35 against 4.44 (64x256
   @8), 1.21 against 1.22 (16x256 @1); the engine bench's RSS growth row reads 19 MiB.
-  A stock engine with the same setting (`stock-malloc`) / stock, 4 rounds: 1.02, 0.99,
+  A stock engine with the same setting (`stock-malloc`, a side of its own until the
+  bench gave every side the setting, below) / stock, 4 rounds: 1.02, 0.99,
   1.13, 1.11 (16x256 @1, 64x256 @8, 64x256 @64, 8x2048 @8), 8-19 faults at 8x2048 @8
   in every process against 7-707 thousand.
   Two full runs after it, an hour apart: run H, hsx / peer 0.97, 1.07, 1.17, 0.96,
@@ -584,7 +583,6 @@ async def method_rows(launch: Launch, model: ModelPlan, plan: Plan) -> list[Row]
 
 #: One difference each between hsx's engine and a stock one (``peer_side``'s sides).
 SUSPECTS = (
-    ("stock-malloc", "stock", "stock + hsx's steady heap in the worker / stock"),
     ("stock-sync", "stock", "stock with async scheduling off / stock"),
     ("stock-spec", "stock", "stock + extract_hidden_states method (no connector) / stock"),
     ("hsx-plain", "stock-spec", "hsx engine without extraction / stock + the same method"),

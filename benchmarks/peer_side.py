@@ -11,12 +11,12 @@ Sides: ``hsx`` (``Extractor.extract``: durable objects), ``hsx-plain`` (the same
 plain requests), ``peer`` (a stock ``AsyncLLM`` with ``extract_hidden_states`` and
 vLLM's ``ExampleHiddenStatesConnector``, ``benchmarks.peer_connector``; a request is
 done when its file's lock is released) and ``stock`` (a stock ``AsyncLLM``, no
-speculative method, no connector, plain requests). Three more isolate one difference
+speculative method, no connector, plain requests). Two more isolate one difference
 each between hsx's engine and a stock one: ``stock-spec`` (a stock engine with the
-``extract_hidden_states`` method but no connector), ``stock-sync`` (a stock engine with
-vLLM's async scheduling off, as vLLM turns it off for that method) and ``stock-malloc``
-(a stock engine whose worker fixes glibc's malloc thresholds as hsx's CPU worker does,
-``service.engine.allocator.steady_heap``).
+``extract_hidden_states`` method but no connector) and ``stock-sync`` (a stock engine
+with vLLM's async scheduling off, as vLLM turns it off for that method). hsx's malloc
+setting needs no side of its own: the bench gives it to every side's processes
+(``peer_bench.side_environment``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from benchmarks.engine_sides import WARM_PROMPTS, Prompts, Side, extraction_side
 from service.config import Settings
 from service.engine.openmp import parse_cpus
 
-SIDES = ("hsx", "hsx-plain", "peer", "stock", "stock-spec", "stock-sync", "stock-malloc")
+SIDES = ("hsx", "hsx-plain", "peer", "stock", "stock-spec", "stock-sync")
 #: The largest chunk of prompt tokens one engine step takes, on every side.
 MAX_BATCHED_TOKENS = 2048
 #: Prompt token ids are drawn from [3, VOCAB): the random model's vocabulary, and
@@ -115,8 +115,7 @@ def vllm_args(settings: Settings, connector_dir: Path | None, side: str = "stock
     with ``connector_dir`` the speculative method stays and vLLM's connector writes
     there, without it the speculative method goes too (the stock engine), except on
     ``stock-spec`` (the speculative method, no connector); ``stock-sync`` is the stock
-    engine with async scheduling off; ``stock-malloc`` gets :class:`MallocExtension` to
-    set hsx's malloc option in its worker."""
+    engine with async scheduling off."""
     from vllm.config import KVTransferConfig
 
     from service.engine.builder import engine_args, read_model_info
@@ -127,9 +126,8 @@ def vllm_args(settings: Settings, connector_dir: Path | None, side: str = "stock
     if side == "stock-spec":
         return dataclasses.replace(args, kv_transfer_config=None, worker_extension_cls="")
     if connector_dir is None:
-        extension = "benchmarks.peer_side.MallocExtension" if side == "stock-malloc" else ""
         stock = dataclasses.replace(
-            args, speculative_config=None, kv_transfer_config=None, worker_extension_cls=extension
+            args, speculative_config=None, kv_transfer_config=None, worker_extension_cls=""
         )
         # None: vLLM's choice (on for a stock engine); vLLM forces it off for the method.
         return dataclasses.replace(stock, async_scheduling=False) if side == "stock-sync" else stock
@@ -193,27 +191,10 @@ async def open_side(args: argparse.Namespace) -> AsyncIterator[Side]:
     directory = args.work / "peer-files" if args.side == "peer" else None
     engine = AsyncLLM.from_engine_args(vllm_args(settings, directory, args.side))
     try:
-        if args.side == "stock-malloc":  # what hsx's worker does for itself (allocator.py)
-            fixed = await engine.collective_rpc("peer_bench_steady_heap")
-            if not all(fixed):
-                raise RuntimeError("mallopt was refused in the worker")
         yield plain_side(engine) if directory is None else peer_side(engine, directory)
     finally:
         engine.shutdown()
         _release_vllm_resources(engine)
-
-
-class MallocExtension:
-    """vLLM worker extension of the ``stock-malloc`` side: one method that applies hsx's
-    CPU worker allocator setting (``service.engine.allocator.steady_heap``: glibc's mmap
-    threshold fixed at 32 MiB and no automatic trim) in the worker process, so that this
-    one difference can be measured on a stock engine."""
-
-    def peer_bench_steady_heap(self) -> bool:
-        """Fix the worker's malloc thresholds as hsx's CPU worker does; False if refused."""
-        from service.engine.allocator import steady_heap
-
-        return steady_heap()
 
 
 def worker_cpus() -> list[str]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.peer_bench import side_environment
+from benchmarks.peer_side import SIDES
 from service.engine.allocator import STEADY_HEAP_TUNABLES
 
 
-@pytest.mark.parametrize("side", ["hsx", "hsx-plain", "peer", "stock", "stock-spec"])
+@pytest.mark.parametrize("side", SIDES)
 def test_every_side_gets_the_same_steady_heap(side: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     assert side_environment(side)["GLIBC_TUNABLES"] == STEADY_HEAP_TUNABLES
