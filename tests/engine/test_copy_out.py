@@ -111,8 +111,9 @@ def test_cpu_copy_out_reads_the_requested_layers_of_any_cache_layout(
 
 async def test_a_step_starts_its_saves_in_order_within_the_ceiling(tmp_path: Path) -> None:
     # The worker half on the CPU, with a real writer pool: a save is copied out and
-    # written, a failed one reported in its turn, and a save over the ceiling waits
-    # (its blocks held) until the write before it has released its bytes.
+    # written as soon as its step starts, a failed one reported in its turn, and a save
+    # over the ceiling waits (its blocks held) until the write before it has released
+    # its bytes.
     receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")
     receiver.start()
     states = cache("cpu")
@@ -136,13 +137,13 @@ async def test_a_step_starts_its_saves_in_order_within_the_ceiling(tmp_path: Pat
     )
     waiters = [receiver.expect(k) for k in (first.key, failed.key, second.key)]
     try:
-        assert half.get_finished(HsxConnectorMetadata(saves=[first, failed, second])) == {
-            "r1",
-            "r2",
-        }
+        half.start(HsxConnectorMetadata(saves=[first, failed, second]))
+        # Written from the step's start, before its forward pass and get_finished.
         written, reported = await asyncio.wait_for(asyncio.gather(*waiters[:2]), 30)
         assert reported.failure == failed.failure
-        assert half.get_finished(None) == {"r3"}  # the first write released its bytes
+        assert not waiters[2].done()  # over the ceiling: waits, its blocks held
+        # The first write released its bytes: the step's end starts the one that waited.
+        assert half.get_finished() == {"r1", "r2", "r3"}
         later = await asyncio.wait_for(waiters[2], 30)
         for pending, done in ((first, written), (second, later)):
             assert done.stored is not None

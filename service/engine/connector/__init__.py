@@ -15,11 +15,13 @@ Scheduler half (EngineCore process, ``scheduler.py``)
      blocks are freed by vLLM, we forget it.
 
 Worker half (``worker.py``)
-  4. ``get_finished``: for each new save, reserve room under the in-flight ceiling,
-     gather the request's slots from the hidden-state cache, copy them to host memory
-     (CUDA: side stream into a reused pinned buffer; CPU: a plain copy) and hand the
-     object to the writer pool. Requests over the ceiling wait, blocks still held.
-     Report copied requests as finished sending so vLLM frees their blocks.
+  4. ``bind_connector_metadata``, before the step's forward pass: for each new save,
+     reserve room under the in-flight ceiling, gather the request's slots from the
+     hidden-state cache, copy them to host memory (CUDA: side stream into a reused
+     pinned buffer; CPU: a plain copy) and hand the object to the writer pool, which
+     writes it while the forward pass runs. Requests over the ceiling wait, blocks
+     still held. ``get_finished``, after it: start the saves that waited, report copied
+     requests as finished sending so vLLM frees their blocks.
   5. The writer pool (``service.engine.writer``) validates, serialises and writes
      through ``service.storage`` and pushes a completion (the stored object, or why
      not) to the API process.
@@ -164,11 +166,16 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata and start its saves, before the forward pass (the
+        model runner binds every step, forward or not, before anything else)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, HsxConnectorMetadata):
+            self._worker.start(connector_metadata)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        saves = meta if isinstance(meta, HsxConnectorMetadata) else None
-        return self._worker.get_finished(saves), None
+        return self._worker.get_finished(), None
 
     def shutdown(self) -> None:
         shut_down_cleanly()  # vLLM's shutdown reached us: the exit may skip the heap scan
