@@ -366,6 +366,25 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   whose heap did not stay put. The stock pair's per-round ratios at 64x256 @64 are now
   0.94-1.02 and 0.96-1.03 (J, K) against 0.97-1.35 in run I. Where hsx's time goes on
   equal heaps: docs/profile.md, eighth stop.
+- **saves before the next forward pass (issue 31, 2026-11-29, ninth stop)**: hsx's
+  connector started a finished request's copy-out after the next step's forward pass
+  (in `get_finished`), so each answer came a forward pass late and, with 256 prompts of
+  64 tokens at 64 in flight, hsx ran 10-11 steps, most of them partial, where the peer
+  ran 8 full ones (a temporary step log in vLLM's scheduler). It now starts them when
+  the step binds its metadata, before the forward pass: 8 full steps, and hsx alone
+  2.76-2.87 s against 3.07-3.11 s (4-7% at 8 to 64 in flight on short prompts;
+  docs/profile.md, ninth stop). Two full runs after it, back to back on a noisier host
+  than the eighth stop's (L, then M, the table's): hsx / peer 0.88, 0.90, 0.88, 0.99,
+  0.99, 0.96 and 0.94, 0.97, 0.94, 0.93, 0.94 (L); 0.84, 0.87, 0.83, 0.98, 0.91, 0.89 and
+  0.96, 0.97, 0.97, 0.97, 0.97 (M); hsx-plain / stock 0.94, 0.98, 1.00, 1.01 (L) and
+  0.97, 0.99, 0.99, 0.99 (M), within 0.03 on every set; the method rows 0.95 and 0.98
+  (L), 0.98 and 1.00 (M). Tried and not kept: the whole write on the forward pass's
+  thread, as the peer's `save_file` (0.82-0.97 in a 2-round pair); 2 concurrent writes
+  instead of 8 (`storage.io_threads`: the writer alone spends 2.0 instead of 2.9 ms of
+  CPU per 512 KiB object, the engine's sets moved within the noise). With statistics,
+  SHA-256 and fsync all switched off hsx / peer still read 0.88 at 256x64 @8 and @64
+  before the change. Why at least 1.0 is out of reach on a 2-core host: docs/profile.md,
+  ninth stop.
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
   0.98-1.20 (random Llama: hsx 2254-2811 tok/s, the peer 2074-2652); the table's run
