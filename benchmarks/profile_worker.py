@@ -467,7 +467,7 @@ def interference(args: argparse.Namespace, scratch: Path) -> None:
     import zmq
 
     from service.config import StorageSettings
-    from service.engine.completion import CompletionSender
+    from service.engine.completion import CompletionSender, new_secret
     from service.engine.jobs import CopyOut, PendingSave, WriteJob
     from service.engine.objects import object_metadata
     from service.engine.writer import WriterPool
@@ -481,7 +481,7 @@ def interference(args: argparse.Namespace, scratch: Path) -> None:
     pull.bind(address)
     pool = WriterPool(
         StorageSettings(url=str(scratch / "objects")),
-        CompletionSender(address),
+        CompletionSender(address, new_secret()),  # the PULL end here only drains
         max_bytes_in_flight=2**40,
         max_concurrent_writes=8,
     )

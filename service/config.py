@@ -179,9 +179,19 @@ class EngineSettings(BaseModel):
         "",
         description="Where the writing rank (tensor-parallel rank 0) tells the API that an "
         "object is durable. Empty: a private ipc:// socket, for a writing rank on the API's "
-        "host. `tcp://HOST:PORT`: the API listens on PORT on every interface and the writer "
-        "connects to HOST, the API host's address as the writing rank's node reaches it "
-        "(PORT 0: a free port).",
+        "host. `tcp://HOST:PORT`: the API listens on PORT of HOST's interface (see "
+        "completion_bind) and the writer connects to HOST, the API host's address as the "
+        "writing rank's node reaches it (PORT 0: a free port). Every message is "
+        "authenticated with a secret the API makes at each start, but travels in the "
+        "clear: keep the port on the cluster's private network.",
+    )
+    completion_bind: str = Field(
+        "",
+        max_length=255,
+        description="The interface a tcp:// completion_address listens on: an IP address "
+        "or a host name. Empty: HOST of completion_address. `0.0.0.0` (or `::`) listens on "
+        "every interface, where HOST is an address the API's host does not own (NAT, a "
+        "Service's address).",
     )
     completion_timeout_s: float = Field(
         60.0,

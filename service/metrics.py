@@ -34,6 +34,10 @@ from service.storage.base import Storage, StorageOp, Swept
 if TYPE_CHECKING:
     from service.engine.wire import Completion, StoredObject
 
+#: Why the API dropped a completion-channel message (``service.engine.completion``,
+#: which imports this module's consumers; kept here so metrics import no engine code).
+DROP_REASONS = ("unauthenticated", "malformed", "unknown_key")
+
 # Storage calls range from sub-millisecond local heads to multi-second S3 multiparts.
 STORAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 #: Storage operations, pre-registered so every series exists from the start.
@@ -164,17 +168,39 @@ class ExtractorMetrics(Collector):
             ["model", "layer"],
             registry=self.registry,
         )
+        self.channel_dropped = Counter(
+            "hsx_completion_messages_dropped",
+            "Completion-channel messages the API dropped, by reason: unauthenticated (no "
+            "valid tag: not from this start's writer), malformed (authentic, unreadable), "
+            "unknown_key (a completion nobody waits for).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in DROP_REASONS:
+            self.channel_dropped.labels(reason)
         self._norms: dict[str, float] = {}
         self._model = ""
+        self._backend = backend
+        self._layers: frozenset[int] = frozenset()
 
-    def name_model(self, name: str) -> None:
-        """The served model's name (the gauge's ``model`` label), once it is known."""
+    def name_model(self, name: str, layer_ids: Iterable[int] = ()) -> None:
+        """The served model's name (the gauge's ``model`` label) and the layer ids it
+        serves (the only ``layer`` labels the gauge takes), once they are known."""
         self._model = name
+        self._layers = frozenset(layer_ids)
+
+    def record_dropped(self, reason: str) -> None:
+        """Count one dropped completion-channel message."""
+        self.channel_dropped.labels(reason).inc()
 
     def record(self, completion: Completion) -> None:
         """Apply one completion message: the worker's storage calls and writer state."""
         for op in completion.storage_ops:
-            self.storage.observe(op)
+            # Label values from closed sets only: whatever a message says, the number
+            # of series stays what the server started with.
+            known_error = op.error is None or op.error in ERROR_KINDS or op.error == "internal"
+            if op.backend == self._backend and op.operation in OPERATIONS and known_error:
+                self.storage.observe(op)
         self.bytes_in_flight.set(completion.bytes_in_flight)
         self.peak_bytes_in_flight.set(completion.peak_bytes_in_flight)
         failure = completion.failure
@@ -190,6 +216,8 @@ class ExtractorMetrics(Collector):
             return
         layers = stored.layer_ids or tuple(range(len(stats.sum_token_norm)))
         for layer, total in zip(layers, stats.sum_token_norm, strict=True):
+            if layer not in self._layers:
+                continue  # not a layer this server serves: no series of its own
             mean, label = total / stats.num_tokens, str(layer)
             previous = self._norms.get(label)
             if previous is not None:

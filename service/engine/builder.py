@@ -140,9 +140,13 @@ def engine_args(
     completion_address: str,
     storage_factory: str | None = None,
     provenance: Provenance | None = None,
+    *,
+    completion_secret: str | None = None,
 ) -> Any:
-    """``AsyncEngineArgs`` running ``extract_hidden_states`` with our connector.
-    Raises ValueError for pipeline parallelism (``check_pipeline_parallel``)."""
+    """``AsyncEngineArgs`` running ``extract_hidden_states`` with our connector, whose
+    writer tags its completions with ``completion_secret`` (the receiver's; None: a
+    fresh one nobody listens for). Raises ValueError for pipeline parallelism
+    (``check_pipeline_parallel``)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -159,6 +163,7 @@ def engine_args(
     connector = ConnectorConfig(
         model_name=info.name,
         completion_address=completion_address,
+        **({} if completion_secret is None else {"completion_secret": completion_secret}),
         storage=settings.storage,
         max_bytes_in_flight=settings.limits.max_bytes_in_flight,
         storage_factory=storage_factory,

@@ -26,7 +26,7 @@ from service.engine.builder import (
     prepare,
     served_model_name,
 )
-from service.engine.completion import CompletionReceiver
+from service.engine.completion import CompletionReceiver, max_message_bytes
 from service.engine.errors import (
     ERROR_TYPES,
     CompletionChannelError,
@@ -147,16 +147,29 @@ class Extractor:
         info, layer_ids, metrics = prepared.info, prepared.layer_ids, prepared.metrics
         provenance = prepared.provenance
         log.info("hsx: provenance %s", provenance.fields())
-        metrics.name_model(served_model_name(info.name))
+        metrics.name_model(served_model_name(info.name), layer_ids)
         scratch = tempfile.TemporaryDirectory(prefix="hsx-")
         address = settings.engine.completion_address or (
             f"ipc://{Path(scratch.name) / 'completions.sock'}"
         )
-        receiver = CompletionReceiver(address)
+        receiver = CompletionReceiver(
+            address,
+            bind=settings.engine.completion_bind,
+            max_message_bytes=max_message_bytes(settings.limits.max_inline_bytes),
+        )
         receiver.writers = settings.engine.data_parallel_size  # one writing rank per engine
         receiver.on_message = metrics.record
+        receiver.on_drop = metrics.record_dropped
         receiver.start()
-        args = engine_args(settings, info, layer_ids, receiver.address, storage_factory, provenance)
+        args = engine_args(
+            settings,
+            info,
+            layer_ids,
+            receiver.address,
+            storage_factory,
+            provenance,
+            completion_secret=receiver.secret,
+        )
         try:
             engine = AsyncLLM.from_engine_args(args)
         except BaseException:

@@ -22,6 +22,7 @@ fields exist once. Nothing here imports torch or vLLM.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -54,6 +55,12 @@ class ConnectorConfig(_Message):
     """Served model name, written into every object's metadata."""
     completion_address: str
     """ZeroMQ address of the API process's completion receiver (``ipc://...``)."""
+    completion_secret: str = Field(
+        default_factory=lambda: secrets.token_hex(32), pattern="^[0-9a-f]{64}$", repr=False
+    )
+    """The key the writer tags each completion with (``service.engine.completion``),
+    made by the API at each start. Default: a fresh one, which no receiver knows (a
+    config built for anything but a serving engine)."""
     storage: StorageSettings
     """Where the worker writes objects."""
     max_bytes_in_flight: int = Field(ge=1)
@@ -162,7 +169,9 @@ class RequestParams(_Message):
     """Which stored token positions the object keeps (:func:`selected_positions`)."""
     inline_bytes: int | None = Field(None, ge=0)
     """Answer inline: the object's bytes come back in its completion, nothing is written
-    to storage, and an object over this many bytes fails. None: write to storage."""
+    to storage, and an object over this many bytes fails: its share of the request's
+    ``limits.max_inline_bytes`` (``service.api.job``), never the whole limit. None: write
+    to storage."""
     ttl_s: int | None = Field(None, ge=1, le=MAX_TTL_S)
     """Seconds the object lives from when the worker publishes it; None: forever."""
 
@@ -280,10 +289,17 @@ class Completion(_Message):
     storage_ops: tuple[StorageOp, ...] = ()
     """Storage calls the worker made since its previous completion."""
 
+    @field_validator("key")
+    @classmethod
+    def _key_is_safe(cls, value: str) -> str:
+        return validate_key(value)
+
     @model_validator(mode="after")
     def _one_outcome(self) -> Completion:
         if (self.stored is None) == (self.failure is None):
             raise ValueError("a completion has exactly one of stored or failure")
+        if self.stored is not None and self.stored.key != self.key:
+            raise ValueError("a completion's stored.key differs from its key")
         return self
 
     def encode(self) -> bytes:

@@ -368,7 +368,7 @@ async def test_writer_counts_an_object_at_its_encoded_size(tmp_path: Path) -> No
     receiver.start()
     pool = WriterPool(
         StorageSettings(url=str(tmp_path / "objects")),
-        CompletionSender(receiver.address),
+        CompletionSender(receiver.address, receiver.secret),
         max_bytes_in_flight=1 << 30,
         max_concurrent_writes=2,
         storage_factory="tests.codecs.test_codecs:open_stalled_storage",

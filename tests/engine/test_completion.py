@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import zmq
+from pydantic import ValidationError
 
-from service.engine.completion import CompletionReceiver, CompletionSender
-from service.engine.wire import Completion, StoredObject, WriteFailure
+from service.engine.completion import CompletionReceiver, CompletionSender, max_message_bytes
+from service.engine.wire import Completion, StoredObject, WriteFailure, WriterHello
 from service.storage import StorageOp
 
 KEY = "hsx/team/2026/01/01/" + "a" * 32 + ".safetensors"
@@ -28,7 +31,7 @@ def stored(key: str = KEY) -> Completion:
 async def channel(tmp_path: Path) -> AsyncIterator[tuple[CompletionReceiver, CompletionSender]]:
     receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}")
     receiver.start()
-    sender = CompletionSender(receiver.address)
+    sender = CompletionSender(receiver.address, receiver.secret)
     yield receiver, sender
     sender.close()
     await receiver.close()
@@ -77,21 +80,91 @@ async def test_abandoned_keys_go_to_on_orphan(channel: tuple) -> None:
     assert (await asyncio.wait_for(orphans.get(), 10)).key == early
 
 
-async def test_malformed_and_unknown_messages_are_dropped(channel: tuple) -> None:
+def tagged(receiver: CompletionReceiver, payload: bytes) -> list[bytes]:
+    """A message as the writer frames it: the payload's HMAC under the channel's secret,
+    then the payload."""
+    key = bytes.fromhex(receiver.secret)
+    return [hmac.new(key, payload, hashlib.sha256).digest(), payload]
+
+
+async def test_unauthenticated_malformed_and_unknown_messages_are_dropped_and_counted(
+    channel: tuple,
+) -> None:
     receiver, sender = channel
     seen: list[Completion] = []
     receiver.on_message = seen.append
     waiter = receiver.expect(KEY)
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.connect(receiver.address)
-    raw.send(b"not json")
-    raw.send(b'{"key": "k"}')  # neither stored nor failure
-    raw.send(b'{"key": "k", "failure": {"type": "nonsense", "message": "x"}}')
+    forged = stored().encode()
+    raw.send(forged)  # a well-formed completion with no tag
+    raw.send_multipart([b"\0" * 32, forged])  # a wrong tag
+    raw.send_multipart([*tagged(receiver, forged)[:1], forged + b" "])  # another payload
+    raw.send_multipart([b"a", b"b", b"c"])  # three frames
+    raw.send_multipart(tagged(receiver, b"not json"))
+    raw.send_multipart(tagged(receiver, b'{"key": "k"}'))  # neither stored nor failure
+    raw.send_multipart(tagged(receiver, stored().encode().replace(b'"hsx/', b'"../', 1)))
     raw.close(linger=1000)
-    sender.send(stored(KEY.replace("a" * 32, "c" * 32)))  # nobody waits for it
+    other = KEY.replace("a" * 32, "c" * 32)
+    sender.send(stored(other))  # authentic, but nobody waits for it
     sender.send(stored())
     assert (await asyncio.wait_for(waiter, 10)).key == KEY  # the loop survived them all
-    assert [c.key for c in seen] == [KEY.replace("a" * 32, "c" * 32), KEY]
+    assert [c.key for c in seen] == [KEY]  # only a completion somebody waited for
+    assert receiver.dropped == {"unauthenticated": 4, "malformed": 3, "unknown_key": 1}
+
+
+async def test_a_forged_hello_does_not_open_the_gate(channel: tuple) -> None:
+    receiver, sender = channel
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(receiver.address)
+    raw.send(WriterHello(writer_pid=1, host="evil").model_dump_json().encode())
+    raw.close(linger=1000)
+    await wait_for_drops(receiver, 1)
+    assert not receiver.writer_ready.is_set()
+    sender.hello()
+    await asyncio.wait_for(receiver.writer_ready.wait(), 10)
+
+
+async def wait_for_drops(receiver: CompletionReceiver, count: int) -> None:
+    async with asyncio.timeout(10):
+        while sum(receiver.dropped.values()) < count:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_message_over_the_size_limit_is_refused_by_zeromq(tmp_path: Path) -> None:
+    receiver = CompletionReceiver(f"ipc://{tmp_path / 'c.sock'}", max_message_bytes=1 << 20)
+    receiver.start()
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(receiver.address)
+    try:
+        waiter = receiver.expect(KEY)
+        big = StoredObject(key=KEY, uri="", size=2 << 20, sha256="0" * 64, num_tokens=9,
+                           shape=(9, 1, 1), data=b"x" * (2 << 20))  # fmt: skip
+        raw.send_multipart(tagged(receiver, Completion(key=KEY, stored=big).encode()))
+        # ZeroMQ drops the peer that sent it and the socket connects again: what follows
+        # still arrives, and the big message never reached hsx's code at all.
+        raw.send_multipart(tagged(receiver, stored().encode()))
+        got = await asyncio.wait_for(waiter, 10)
+        assert got.stored is not None
+        assert got.stored.num_tokens == 2
+        assert sum(receiver.dropped.values()) == 0
+    finally:
+        raw.close(linger=0)
+        await receiver.close()
+
+
+def test_a_completion_names_one_safe_key() -> None:
+    with pytest.raises(ValidationError, match=r"stored\.key differs"):
+        Completion(key=KEY.replace("a" * 32, "b" * 32), stored=stored().stored)
+    with pytest.raises(ValidationError, match="not allowed"):
+        Completion(key="../etc/passwd", failure=WriteFailure(type="internal_error", message="x"))
+
+
+def test_max_message_bytes_holds_an_inline_object_in_base64() -> None:
+    limit = max_message_bytes(1 << 20)
+    obj = StoredObject(key=KEY, uri="", size=1 << 20, sha256="0" * 64, num_tokens=1,
+                       shape=(1, 1, 1), data=b"\xff" * (1 << 20))  # fmt: skip
+    assert len(Completion(key=KEY, stored=obj).encode()) < limit < 6 << 20
 
 
 async def test_close_cancels_waiters(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ async def test_a_key_expected_again_after_abandon_gets_its_completion(tmp_path: 
 
     receiver.on_orphan = on_orphan
     receiver.start()
-    sender = CompletionSender(address)
+    sender = CompletionSender(address, receiver.secret)
     try:
         key = "hsx/ns/by-id/ab/" + "0" * 64 + ".safetensors"
         receiver.expect(key)

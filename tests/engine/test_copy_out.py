@@ -121,7 +121,7 @@ async def test_a_step_starts_its_saves_in_order_within_the_ceiling(tmp_path: Pat
     one_object = 7 * 3 * 8 * 4  # 7 tokens x 3 layers x 8 float32 values
     half._writer = WriterPool(
         StorageSettings(url=str(tmp_path / "objects")),
-        CompletionSender(receiver.address),
+        CompletionSender(receiver.address, receiver.secret),
         max_bytes_in_flight=one_object,
         max_concurrent_writes=2,
     )

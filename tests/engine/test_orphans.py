@@ -32,7 +32,7 @@ async def test_close_delivers_sent_completions_of_abandoned_keys(tmp_path: Path)
     for key in ("a", "b", "c"):
         receiver.expect(key)
         receiver.abandon(key)  # the request was cancelled before its object landed
-    sender = CompletionSender(receiver.address)
+    sender = CompletionSender(receiver.address, receiver.secret)
     for key in ("a", "kept", "b", "c"):
         sender.send(landed(key))
     sender.close()  # lingers until sent, as the worker's does at engine shutdown
@@ -57,7 +57,7 @@ async def test_orphan_removals_are_awaited_by_close(tmp_path: Path) -> None:
     receiver.on_orphan = slow_remove
     receiver.expect("late")
     receiver.abandon("late")
-    sender = CompletionSender(receiver.address)
+    sender = CompletionSender(receiver.address, receiver.secret)
     sender.send(landed("late"))
     sender.close()
     await asyncio.wait_for(started.wait(), 10)  # the loop picked it up: removal under way

@@ -11,6 +11,7 @@ from service.engine import statistics
 from service.engine.statistics import layer_statistics
 from service.engine.wire import Completion, StoredObject
 from service.metrics import TOKEN_NORM_WEIGHT, ExtractorMetrics
+from service.storage.base import StorageOp
 
 
 def numpy_statistics(states: np.ndarray) -> dict[str, list[float]]:
@@ -80,12 +81,13 @@ def stored(layer_ids: tuple[int, ...], states: torch.Tensor) -> StoredObject:
 
 def test_gauge_is_the_moving_average_of_the_objects_token_norms() -> None:
     metrics = ExtractorMetrics("file")
-    metrics.name_model("tiny")
+    metrics.name_model("tiny", (2, 4))
     generator = torch.Generator().manual_seed(1)
     objects = [torch.randn(n, 2, 8, generator=generator) * (i + 1) for i, n in enumerate((5, 9, 3))]
     expected: dict[int, float] = {}
     for states in objects:
-        completion = Completion(key="k", stored=stored((2, 4), states))
+        obj = stored((2, 4), states)
+        completion = Completion(key=obj.key, stored=obj)
         metrics.record(Completion.decode(completion.encode()))  # as it crosses the channel
         norms = states.double().norm(dim=2).mean(dim=0).tolist()
         for layer, norm in zip((2, 4), norms, strict=True):
@@ -96,3 +98,36 @@ def test_gauge_is_the_moving_average_of_the_objects_token_norms() -> None:
             "hsx_hidden_state_token_norm", {"model": "tiny", "layer": str(layer)}
         )
         assert sample == pytest.approx(value, rel=1e-12)
+
+
+def series(metrics: ExtractorMetrics) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items())))
+        for family in metrics.registry.collect()
+        for sample in family.samples
+    }
+
+
+def test_label_values_come_from_closed_sets_whatever_a_message_says() -> None:
+    metrics = ExtractorMetrics("file")
+    metrics.name_model("tiny", (2, 4))
+    states = torch.ones(3, 2, 8)
+    obj = stored((2, 4), states)
+    metrics.record(Completion(key=obj.key, stored=obj))
+    before = series(metrics)
+    odd = stored((999998, 999999), states * 1e30)
+    ops = tuple(
+        StorageOp(backend, operation, 0.1, written=1, error=error)
+        for backend, operation, error in [
+            ("evil", "put", None), ("file", "steal", None), ("file", "put", "novel"),
+        ]
+    )  # fmt: skip
+    metrics.record(Completion(key=odd.key, stored=odd, storage_ops=ops))
+    assert series(metrics) == before  # no new series
+    assert metrics.registry.get_sample_value(
+        "hsx_hidden_state_token_norm", {"model": "tiny", "layer": "4"}
+    ) == pytest.approx(8**0.5)  # the served layers keep their values
+    assert (
+        metrics.registry.get_sample_value("hsx_storage_written_bytes_total", {"backend": "file"})
+        == 0.0
+    )

@@ -40,7 +40,7 @@ class Rig:
         self.root, self.receiver = root, receiver
         self.pool = WriterPool(
             StorageSettings(url=str(root)),
-            CompletionSender(receiver.address),
+            CompletionSender(receiver.address, receiver.secret),
             max_bytes_in_flight=options.pop("max_bytes_in_flight", 10**9),
             max_concurrent_writes=2,
             **options,

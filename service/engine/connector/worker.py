@@ -78,7 +78,7 @@ class HsxConnectorWorker:
         if get_tensor_model_parallel_rank() != 0:
             return
         config = self._config
-        sender = CompletionSender(config.completion_address)
+        sender = CompletionSender(config.completion_address, config.completion_secret)
         sender.hello()  # start-up waits for it: proof that completions reach the API
         self._writer = WriterPool(
             config.storage,

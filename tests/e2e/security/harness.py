@@ -47,8 +47,8 @@ def auth(namespace: str) -> dict[str, str]:
 
 def server_env(model: Path, base: Path, keys: Path) -> dict[str, str]:
     """The server's settings: ``model`` (the tiny one), max_model_len 2048, the key file
-    ``keys``, tight connection timeouts, an 8 s deadline, the default limits; objects
-    under ``base/objects``."""
+    ``keys``, tight connection timeouts, an 8 s deadline, the default limits, the
+    completion channel on TCP; objects under ``base/objects``."""
     return {
         "HSX_ENGINE__MODEL": str(model),
         "HSX_ENGINE__DTYPE": "float32",
@@ -65,6 +65,9 @@ def server_env(model: Path, base: Path, keys: Path) -> dict[str, str]:
         "HSX_SERVER__KEEP_ALIVE_TIMEOUT_S": "2",
         "HSX_SERVER__SHUTDOWN_GRACE_S": str(GRACE_S),
         "HSX_LIMITS__REQUEST_TIMEOUT_S": str(DEADLINE_S),
+        # The channel on TCP, where anyone who reaches the port can send to it
+        # (test_security_channel attacks it).
+        "HSX_ENGINE__COMPLETION_ADDRESS": "tcp://127.0.0.1:0",
     }
 
 
