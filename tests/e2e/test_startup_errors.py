@@ -377,6 +377,8 @@ def test_a_writer_that_cannot_reach_the_api_stops_start_up(tmp_path: Path, model
         "HSX_ENGINE__DTYPE": "float32",
         "HSX_ENGINE__EXTRA_ARGS": '{"enforce_eager": true}',
         "HSX_ENGINE__COMPLETION_ADDRESS": "tcp://192.0.2.1:0",
+        # The API listens here; the writer is told 192.0.2.1 (as behind a NAT).
+        "HSX_ENGINE__COMPLETION_BIND": "127.0.0.1",
         "HSX_ENGINE__COMPLETION_TIMEOUT_S": "3",
     }
     run = hsx_serve(tmp_path, env, timeout=300)
@@ -385,6 +387,23 @@ def test_a_writer_that_cannot_reach_the_api_stops_start_up(tmp_path: Path, model
     )
     assert "sent nothing" in line
     assert "open PORT" in line
+
+
+def test_a_completion_address_of_another_host_cannot_be_listened_on(
+    tmp_path: Path, model_dir: Any
+) -> None:
+    # The channel binds its address's own host, never every interface: an address that
+    # is not this host's is one line naming the bind setting, before any engine starts.
+    env = {
+        "HSX_ENGINE__MODEL": str(model_dir("llama")),
+        "HSX_ENGINE__COMPLETION_ADDRESS": "tcp://192.0.2.1:0",
+    }
+    run = hsx_serve(tmp_path, env)
+    line = assert_one_line(
+        run, 1, "engine.completion_address (HSX_ENGINE__COMPLETION_ADDRESS)", "cannot listen on"
+    )
+    assert "tcp://192.0.2.1:" in line
+    assert "engine.completion_bind" in line
 
 
 @pytest.mark.parametrize(
