@@ -308,7 +308,24 @@ class MooncakeStorageSettings(BaseModel):
     metrics_url: str | None = Field(
         None,
         description="The master's HTTP metrics (`http://HOST:9003/metrics`): the store's "
-        "bytes, capacity and evictions in `hsx_storage_store_*`. Unset: not exported.",
+        "bytes, capacity and evictions in `hsx_storage_store_*`, and what `/ready` reads to "
+        "tell a full store. Unset: not exported, and `/ready` cannot tell.",
+    )
+    min_free_bytes: int = Field(
+        4 * MIB,
+        ge=0,
+        description="Free store memory (capacity minus bytes held, from metrics_url) below "
+        "which the store counts as full: `/ready` answers 503 until deletes free room. "
+        "Mooncake's allocator can refuse even a small object with a little memory still "
+        "free. 0: never full by this measure.",
+    )
+    shared_by_namespaces: bool = Field(
+        False,
+        description="Accept API keys of more than one namespace on this store. A Mooncake "
+        "store has no namespaces: every member (each trainer that joins it) reads and "
+        "removes every object, and the master's metrics port lists every key, so the "
+        "namespaces end at the HTTP API. Off: `hsx serve` refuses keys of several "
+        "namespaces on mooncake:// (run one master per tenant instead).",
     )
 
     @field_validator("segment_bytes")

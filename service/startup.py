@@ -10,6 +10,7 @@ traceback goes to the debug log (``service.logs``).
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from service.engine.builder import ModelInfo
     from service.storage import Storage, StorageObserver
 
+log = logging.getLogger(__name__)
 ENV_PREFIX = "HSX_"
 #: Exit status of a start-up error: 2 for a wrong setting (as argparse), 1 otherwise.
 BAD_SETTING, FAILED = 2, 1
@@ -161,11 +163,49 @@ def check_api_keys(path: Path | None, inline: str | None) -> Any:
         ) from exc
 
 
+def check_shared_store(settings: Settings) -> None:
+    """Refuse API keys of several namespaces on a ``mooncake://`` store, unless
+    ``storage.mooncake.shared_by_namespaces`` accepts that they share it.
+
+    Mooncake has no namespaces: every member of the store (each trainer) reads and
+    removes every object, and the master's metrics port lists every key. Namespaces then
+    end at the HTTP API, which a deployment must choose knowingly (README, "Storage
+    guarantees"). Run after ``check_api_keys``: the keys are known to load.
+    """
+    from service.storage import scheme_of
+
+    mooncake = settings.storage.mooncake
+    if scheme_of(settings.storage.url) != "mooncake" or mooncake.shared_by_namespaces:
+        return
+    secret = settings.server.api_keys
+    inline = secret.get_secret_value() if secret is not None else None
+    keys = check_api_keys(settings.server.api_keys_file, inline)
+    namespaces = sorted(keys.namespaces)
+    if len(namespaces) > 1:
+        shown = ", ".join(namespaces[:4]) + (", ..." if len(namespaces) > 4 else "")
+        setting = "storage.mooncake.shared_by_namespaces"
+        raise StartupError(
+            setting,
+            f"the API keys name {len(namespaces)} namespaces ({shown}) but a mooncake:// "
+            "store has none: every member of the store (each trainer) reads and removes "
+            "every object, and the master's metrics port lists every key",
+            f"run one master per namespace, or set {env_name(setting)}=true to accept that "
+            "the namespaces end at the HTTP API",
+        )
+
+
 async def check_storage(settings: Settings, observer: StorageObserver | None = None) -> Storage:
     """The configured storage, open and answering its ping (instrumented, reporting to
-    ``observer``); the caller owns it."""
+    ``observer``); the caller owns it.
+
+    A Mooncake store must be one namespace's unless the settings accept otherwise
+    (``check_shared_store``). It may have no memory yet where this process's writer is
+    about to mount some (``storage.mooncake.segment_bytes``), and may be full (``/ready``
+    says so until deletes free room).
+    """
     from service.storage import open_storage
 
+    check_shared_store(settings)
     url = settings.storage.url
     fix = (
         "use a writable directory, file:///abs/path, s3://bucket/prefix or "
@@ -183,7 +223,10 @@ async def check_storage(settings: Settings, observer: StorageObserver | None = N
             "unset it: readers of this store delete what they read",
         )
     try:
-        await storage.ping()
+        await _ping_at_startup(storage, settings)
+    except StartupError:
+        await storage.close()
+        raise
     except Exception as exc:
         await storage.close()
         fix = (
@@ -195,6 +238,30 @@ async def check_storage(settings: Settings, observer: StorageObserver | None = N
         )
         raise StartupError("storage.url", f"{url!r} does not answer: {exc}", fix, FAILED) from exc
     return storage
+
+
+async def _ping_at_startup(storage: Storage, settings: Settings) -> None:
+    """``storage.ping()``, but what a starting process fixes or waits out is no error:
+    a Mooncake store without memory that this process's writer is about to give it, a
+    full store (``/ready`` answers 503 until deletes free room)."""
+    from service.storage import StorageFullError
+    from service.storage.mooncake import UnmountedStoreError
+
+    segment = settings.storage.mooncake.segment_bytes
+    try:
+        await storage.ping()
+    except UnmountedStoreError as exc:
+        if segment == 0:
+            raise StartupError(
+                "storage.mooncake.segment_bytes",
+                f"no member of the store of {settings.storage.url!r} has memory mounted, "
+                "and this hsx gives it none (0)",
+                "set it to 16 MiB or more, or start a member that gives the store memory first",
+                FAILED,
+            ) from exc
+        log.info("hsx: the Mooncake store has no memory yet; this hsx's writer mounts %d", segment)
+    except StorageFullError as exc:  # trainers' deletes empty it; they need hsx running
+        log.warning("hsx: %s; /ready answers 503 until then", exc)
 
 
 def check_model(model: str, layer_ids: list[int] | None) -> tuple[ModelInfo, list[int]]:
@@ -286,7 +353,8 @@ def from_engine(exc: BaseException, log_text: str, on_cpu: bool) -> StartupError
             "engine.completion_address",
             str(exc),
             "set it to tcp://HOST:PORT with HOST this host's address as the writing "
-            "rank's node reaches it, and open PORT to that node",
+            "rank's node reaches it, and open PORT to that node (engine.completion_bind "
+            "names the interface to listen on where HOST is not one of this host's)",
             FAILED,
         )
     if "Not enough allowed NUMA nodes" in log_text:

@@ -78,6 +78,11 @@ class ApiKeys:
     def count(self) -> int:
         return len(self._digests)
 
+    @property
+    def namespaces(self) -> frozenset[str]:
+        """The namespaces the keys name (several keys may share one: rotation)."""
+        return frozenset(namespace for _, namespace in self._digests)
+
     def namespace_for(self, token: str) -> str | None:
         """The namespace of ``token``, or None. Constant time in the matched key."""
         digest = _digest(token)

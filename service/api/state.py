@@ -19,7 +19,7 @@ from service.api.metrics import EngineCollector, ExtractMetrics
 from service.api.singleflight import SingleFlight
 from service.config import Settings
 from service.engine.wire import Extraction
-from service.storage import Storage, scheme_of
+from service.storage import Storage, StorageFullError, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ class Admission:
 class StorageProbe:
     """``/ready``'s storage check, cached so probes do not hammer the backend.
 
-    Ready means the storage can take a write: it answers its ping and, on local disk,
+    Ready means the storage can take a write: it answers its ping (which a bounded
+    store, Mooncake's, fails with StorageFullError once it is full) and, on local disk,
     its file system keeps at least ``min_free_bytes`` free (a full disk fails every
     write with ENOSPC). The reason goes to the log; probes see no paths or buckets.
     """
@@ -81,7 +82,10 @@ class StorageProbe:
     async def _check(self) -> str | None:
         try:
             await asyncio.wait_for(self.storage.ping(), timeout=5)
-        except Exception as exc:  # any failure means "not ready"
+        except StorageFullError as exc:  # reachable, but every write would get a 507
+            log.warning("hsx: storage not ready: %s", exc)
+            return "full"
+        except Exception as exc:  # any other failure means "not ready"
             log.warning("hsx: storage not ready: %s: %s", type(exc).__name__, exc)
             return "unavailable"
         root = self.root

@@ -17,7 +17,12 @@ What the storage contract means here (``docs/design.md``, "Mooncake"):
   restart of the master, nor of the member whose memory holds the object.
 * Objects are hard-pinned: the master never evicts them. A full store refuses the
   put (``StorageFullError``, a 507), so no object the API answered is ever dropped;
-  a trainer's delete after reading gives the bytes back.
+  a trainer's delete after reading gives the bytes back. ``ping`` (``/ready``) calls the
+  store full once less than ``min_free_bytes`` of it is free (from ``metrics_url``).
+* No namespaces: every member of the store (each trainer) reads and removes every
+  object, and the master's metrics port lists every key. A store is one tenant's;
+  ``hsx serve`` refuses keys of several namespaces on it unless
+  ``shared_by_namespaces`` accepts that (``service.startup.check_shared_store``).
 * Not supported: listing (the master has no ordered key listing; ``list`` raises
   ``NotImplementedError`` and ``GET /objects`` says so), expiry (``expires_at``: the
   trainer deletes what it read), empty objects (Mooncake stores nothing for them; an
@@ -125,6 +130,14 @@ class _Status:
                 f"{message}: the master does not answer", operation=self.operation, key=self.key
             )
         raise StorageError(message, operation=self.operation, key=self.key)
+
+
+class UnmountedStoreError(StorageUnavailableError):
+    """No member of the store has mounted memory (yet): every write would be refused.
+
+    Right after a master's restart, or before the first writer joins: a process whose
+    own writer is about to mount a segment may start anyway (``service.startup``).
+    """
 
 
 class MooncakeStorage(ThreadedStorage):
@@ -252,12 +265,12 @@ class MooncakeStorage(ThreadedStorage):
         restart no member has mounted any yet, and the store is unavailable instead."""
         usage = self.usage()
         if usage is not None and usage.capacity_bytes == 0:
-            host, port = self.master
-            raise StorageUnavailableError(
-                f"mooncake: no member of master {host}:{port}'s store has memory mounted",
-                operation="put",
-                key=key,
-            )
+            raise UnmountedStoreError(self._unmounted, operation="put", key=key)
+
+    @property
+    def _unmounted(self) -> str:
+        host, port = self.master
+        return f"mooncake: no member of master {host}:{port}'s store has memory mounted"
 
     def _get(self, key: str) -> bytes:
         validate_key(key)
@@ -303,12 +316,22 @@ class MooncakeStorage(ThreadedStorage):
             )
         # health_check only says what the last heartbeat saw: ask the master itself.
         _Status("ping", "hsx-ping").check(self._store.is_exist("hsx-ping"))
+        self._check_room(self.usage())
+
+    def _check_room(self, usage: StoreUsage | None) -> None:
+        """Raise unless the store (as its master's metrics last said) can take a write."""
+        if usage is None:  # no metrics_url, or unreadable: nothing to tell by
+            return
         # A restarted master answers before the members have mounted their memory again:
         # until then every write would be refused.
-        usage = self.usage()
-        if usage is not None and usage.capacity_bytes == 0:
-            raise StorageUnavailableError(
-                f"mooncake: no member of master {host}:{port}'s store has memory mounted",
+        if usage.capacity_bytes == 0:
+            raise UnmountedStoreError(self._unmounted, operation="ping")
+        free = usage.capacity_bytes - usage.bytes
+        if free < self.options.min_free_bytes:
+            raise StorageFullError(
+                f"mooncake: the store is full: {free} of {usage.capacity_bytes} bytes free, "
+                f"below mooncake.min_free_bytes ({self.options.min_free_bytes}); delete "
+                "objects that were read",
                 operation="ping",
             )
 

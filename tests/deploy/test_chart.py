@@ -285,6 +285,12 @@ EXTERNAL = {
     "storage": {"type": "mooncake"},
     "mooncake": {"master": {"address": "mooncake-master.training.svc:50051"}},
 }
+#: A NetworkPolicy peer: the release's own pods (release hsx).
+OWN_PODS = {
+    "podSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "hsx", "app.kubernetes.io/instance": "hsx"}
+    }
+}
 
 
 @NEEDS_HELM
@@ -341,6 +347,8 @@ def test_mooncake_master_beside_hsx(tmp_path: Path) -> None:
     assert env["HSX_STORAGE__MOONCAKE__REPLICAS"]["value"] == "1"
     assert env["HSX_STORAGE__MOONCAKE__PROTOCOL"]["value"] == "tcp"
     assert env["HSX_STORAGE__MOONCAKE__METADATA_SERVER"]["value"] == "P2PHANDSHAKE"
+    assert env["HSX_STORAGE__MOONCAKE__MIN_FREE_BYTES"]["value"] == "4194304"
+    assert "HSX_STORAGE__MOONCAKE__SHARED_BY_NAMESPACES" not in env  # one tenant
     assert "HSX_STORAGE__MOONCAKE__DEVICE_NAME" not in env
     assert not [name for name in env if name.startswith(("HSX_STORAGE__S3__", "AWS_"))]
     assert not [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
@@ -358,13 +366,68 @@ def test_mooncake_master_beside_hsx(tmp_path: Path) -> None:
         services["hsx-mooncake-master"]["metadata"]["labels"],
     )
 
-    # Trainers (networkPolicy.from) reach the API port and, for the store, every port.
-    peers = load(MOONCAKE_EXAMPLE)["networkPolicy"]["from"]
+    # The API's clients (networkPolicy.from) reach the API port; the store's members,
+    # the trainers and the release's own pods, every port (the transfer engine's).
+    policy = load(MOONCAKE_EXAMPLE)["networkPolicy"]
     ingress = named(documents, "NetworkPolicy")["hsx"]["spec"]["ingress"]
     assert ingress == [
-        {"ports": [{"port": "http", "protocol": "TCP"}], "from": peers},
-        {"from": peers},
+        {"ports": [{"port": "http", "protocol": "TCP"}], "from": policy["from"]},
+        {"from": policy["mooncake"]["trainers"]},
+        {"from": [OWN_PODS]},
     ]
+
+
+def every_port_to(ingress: list[dict[str, Any]]) -> list[Any]:
+    """The peers of the rules that open every port (a rule without ``ports``); ``{}``
+    for a rule that opens them to every pod."""
+    return [rule.get("from", {}) for rule in ingress if "ports" not in rule]
+
+
+@NEEDS_HELM
+def test_mooncake_master_network_policy(tmp_path: Path) -> None:
+    """The master lists every key on its metrics port and lets any client of its RPC
+    port read and remove every object: only the store's members reach the RPC port,
+    only hsx and the monitoring peers the metrics port."""
+    documents = rendered(tmp_path, {}, MOONCAKE_EXAMPLE)
+    policy = load(MOONCAKE_EXAMPLE)["networkPolicy"]["mooncake"]
+    master = named(documents, "NetworkPolicy")["hsx-mooncake-master"]["spec"]
+    pod = named(documents, "Deployment")["hsx-mooncake-master"]["spec"]["template"]
+    assert selects(master["podSelector"]["matchLabels"], pod["metadata"]["labels"])
+    assert master["policyTypes"] == ["Ingress"]
+    by_port = {rule["ports"][0]["port"]: rule["from"] for rule in master["ingress"]}
+    assert by_port == {
+        "rpc": [OWN_PODS, *policy["trainers"]],
+        "metrics": [OWN_PODS, *policy["monitoring"]],
+    }
+    assert [r["ports"][0]["protocol"] for r in master["ingress"]] == ["TCP", "TCP"]
+    ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert set(by_port) == ports  # the policy's names are the container's ports
+
+    # No trainer and no API peer given: every port of the hsx pods to their own pods
+    # only (once any pod's), the API port to any pod; the master's ports to hsx only.
+    bare = {"networkPolicy": {"from": [], "mooncake": {"trainers": [], "monitoring": []}}}
+    policies = named(rendered(tmp_path, bare, MOONCAKE_EXAMPLE), "NetworkPolicy")
+    ingress = policies["hsx"]["spec"]["ingress"]
+    assert ingress[0] == {"ports": [{"port": "http", "protocol": "TCP"}]}
+    assert every_port_to(ingress) == [[OWN_PODS]]
+    assert [r["from"] for r in policies["hsx-mooncake-master"]["spec"]["ingress"]] == [
+        [OWN_PODS],
+        [OWN_PODS],
+    ]
+
+    # An existing master is not the chart's to guard; without networkPolicy, nothing is.
+    external = merged(EXTERNAL, {"networkPolicy": {"enabled": True}})
+    assert set(named(rendered(tmp_path, external), "NetworkPolicy")) == {"hsx"}
+    off = {"networkPolicy": {"enabled": False}}
+    assert not named(rendered(tmp_path, off, MOONCAKE_EXAMPLE), "NetworkPolicy")
+
+
+@NEEDS_HELM
+def test_mooncake_store_shared_by_namespaces_is_said_in_values(tmp_path: Path) -> None:
+    values = merged(EXTERNAL, {"mooncake": {"sharedByNamespaces": True, "minFreeBytes": 0}})
+    env = hsx_env(rendered(tmp_path, values))
+    assert env["HSX_STORAGE__MOONCAKE__SHARED_BY_NAMESPACES"]["value"] == "true"
+    assert env["HSX_STORAGE__MOONCAKE__MIN_FREE_BYTES"]["value"] == "0"
 
 
 @NEEDS_HELM
@@ -503,6 +566,10 @@ def test_mooncake_memory_limit_must_hold_segment_and_buffers(
         ({"mooncake": {"master": {"enabled": "yes"}}}, "is not of type 'boolean'"),
         ({"mooncake": {"master": {"port": 50051}}}, "Additional properties are not allowed"),
         ({"mooncake": {"segment_bytes": 0}}, "Additional properties are not allowed"),
+        ({"mooncake": {"minFreeBytes": -1}}, "less than the minimum"),
+        ({"mooncake": {"sharedByNamespaces": "yes"}}, "is not of type 'boolean'"),
+        ({"networkPolicy": {"mooncake": {"trainers": {}}}}, "is not of type 'array'"),
+        ({"networkPolicy": {"mooncake": {"trainer": []}}}, "Additional properties are not allowed"),
         ({"storage": {"type": "mooncake://m:50051"}}, "is not one of"),
     ],
 )

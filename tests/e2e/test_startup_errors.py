@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.processes import SERVE, hsx_env, link_demo_model
+from tests.support.mooncake import MooncakeMaster, master_fixture
+from tests.support.processes import SERVE, free_port, hsx_env, link_demo_model
 
 
 @dataclass
@@ -414,3 +415,92 @@ def test_a_completion_address_that_is_not_tcp_host_port_is_refused(
 ) -> None:
     run = hsx_serve(tmp_path, {"HSX_ENGINE__COMPLETION_ADDRESS": address})
     assert_one_line(run, 2, "engine.completion_address (HSX_ENGINE__COMPLETION_ADDRESS)", "tcp://")
+
+
+# -- Mooncake: a store is one tenant's, and hsx may be its only member -----------------
+
+mooncake_master = master_fixture("module")
+SHARED = "storage.mooncake.shared_by_namespaces (HSX_STORAGE__MOONCAKE__SHARED_BY_NAMESPACES)"
+
+
+def keys_of(tmp: Path, *namespaces: str) -> dict[str, str]:
+    """A key file with one key per namespace given (a name twice: two keys, rotation)."""
+    keys = tmp / "keys.txt"
+    keys.write_text(
+        "".join(f"{ns}:{ns}-key-{i:02d}-0123456789\n" for i, ns in enumerate(namespaces))
+    )
+    return {"HSX_SERVER__API_KEYS_FILE": str(keys)}
+
+
+@pytest.mark.parametrize(
+    ("inline", "listed"),
+    [
+        (None, "2 namespaces (alice, bob)"),
+        ("carol:carol-key-0123456789", "3 namespaces (alice, bob, carol)"),
+    ],
+    ids=["key file", "key file and inline keys"],
+)
+def test_mooncake_refuses_keys_of_several_namespaces(
+    tmp_path: Path, inline: str | None, listed: str
+) -> None:
+    # Mooncake has no namespaces (any trainer of the store reads and removes alice's
+    # objects): refused before the store is joined, so no master is needed to see it.
+    env = {
+        **keys_of(tmp_path, "alice", "bob"),
+        "HSX_STORAGE__URL": f"mooncake://127.0.0.1:{free_port()}",
+    }
+    if inline:
+        env["HSX_SERVER__API_KEYS"] = inline
+    line = assert_one_line(hsx_serve(tmp_path, env), 2, SHARED, listed)
+    assert "every object" in line
+    assert "one master per namespace" in line
+    assert "HSX_STORAGE__MOONCAKE__SHARED_BY_NAMESPACES=true" in line
+    assert "-key-" not in line  # never a key
+
+
+@pytest.mark.parametrize(
+    ("namespaces", "mooncake"),
+    [
+        (("alice", "bob"), {"shared_by_namespaces": "true"}),  # accepted knowingly
+        (("alice", "alice"), {}),  # two keys, one namespace (rotation)
+    ],
+    ids=["several namespaces, accepted", "one namespace"],
+)
+def test_mooncake_starts_with_one_tenant_or_the_setting(
+    tmp_path: Path,
+    mooncake_master: MooncakeMaster,
+    namespaces: tuple[str, ...],
+    mooncake: dict[str, str],
+) -> None:
+    # Past the namespace check and the store (a fresh one, with no member's memory yet:
+    # this hsx's writer brings it), start-up goes on to bind its port, which is taken:
+    # the next check, and one that needs no engine.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        env = {
+            **mooncake_master.hsx_env(**mooncake),
+            **keys_of(tmp_path, *namespaces),
+            "HSX_SERVER__PORT": port,
+        }
+        run = hsx_serve(tmp_path, env)
+    assert_one_line(run, 1, "server.port (HSX_SERVER__PORT)", "in use")
+
+
+def test_mooncake_store_that_nobody_gives_memory(
+    tmp_path: Path, mooncake_master: MooncakeMaster
+) -> None:
+    # No member has mounted memory and this hsx would give none: every write would be
+    # refused, so it does not start.
+    assert mooncake_master.metrics()["master_total_capacity_bytes"] == 0
+    env = {**mooncake_master.hsx_env(segment_bytes=0), "HSX_ENGINE__MODEL": str(tmp_path / "m")}
+    line = assert_one_line(
+        hsx_serve(tmp_path, env),
+        1,
+        "storage.mooncake.segment_bytes (HSX_STORAGE__MOONCAKE__SEGMENT_BYTES)",
+        mooncake_master.url,
+        "no member of the store",
+        "16 MiB or more",
+    )
+    assert "engine.model" not in line

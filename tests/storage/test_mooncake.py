@@ -374,6 +374,36 @@ async def test_a_full_store_refuses_until_something_is_deleted(
     assert await reader.get(key) == data
 
 
+async def test_ping_calls_the_store_full_below_min_free_bytes(
+    storage: MooncakeStorage, reader: MooncakeStorage
+) -> None:
+    """What ``/ready`` asks: full once less than ``min_free_bytes`` is free, by the
+    master's metrics (its allocator refuses even small puts with some memory free)."""
+    assert storage.options.min_free_bytes == 4 * MIB  # the default
+
+    async def ping_says(full: bool) -> bool:  # usage() is reused for a second: poll
+        try:
+            await storage.ping()
+        except StorageFullError:
+            return full
+        return not full
+
+    await eventually(lambda: ping_says(False), 10, "ping called an empty store full")
+    size = 6 * MIB  # 5 fit in the segment, leaving 2 MiB: below the margin
+    stored = [
+        key
+        for key in (fresh_key() for _ in range(5))
+        if await put_unless_full(storage, key, payload(size))
+    ]
+    assert len(stored) == 5
+    await eventually(lambda: ping_says(True), 5, "ping never called the store full")
+    with pytest.raises(StorageFullError, match=r"below mooncake\.min_free_bytes") as info:
+        await storage.ping()
+    assert (info.value.kind, info.value.operation) == ("full", "ping")
+    await reader.delete(stored[0])  # a trainer read one: 8 MiB free
+    await eventually(lambda: ping_says(False), 10, "ping never saw the room a delete made")
+
+
 async def test_a_member_without_a_segment_reads_what_the_writer_put(
     storage: MooncakeStorage, reader: MooncakeStorage
 ) -> None:

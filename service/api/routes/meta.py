@@ -34,7 +34,8 @@ async def health(state: StateDep) -> JSONResponse:
 
 @public.get("/ready", response_model=Status, responses=UNAVAILABLE)
 async def ready(state: StateDep) -> JSONResponse:
-    """Readiness: engine started, storage can take a write, not shutting down."""
+    """Readiness: engine started, storage can take a write (reachable, not full), not
+    shutting down."""
     if state.draining:
         return _status(503, "draining", "shutting down")
     if not state.extractor.alive:

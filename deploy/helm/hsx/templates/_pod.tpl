@@ -91,6 +91,10 @@ spec:
         - {name: HSX_STORAGE__MOONCAKE__REPLICAS, value: {{ .replicas | quote }}}
         - {name: HSX_STORAGE__MOONCAKE__PROTOCOL, value: {{ .protocol | quote }}}
         - {name: HSX_STORAGE__MOONCAKE__METADATA_SERVER, value: {{ .metadataServer | quote }}}
+        - {name: HSX_STORAGE__MOONCAKE__MIN_FREE_BYTES, value: {{ .minFreeBytes | int64 | quote }}}
+        {{- if .sharedByNamespaces }}
+        - {name: HSX_STORAGE__MOONCAKE__SHARED_BY_NAMESPACES, value: "true"}
+        {{- end }}
         {{- with .deviceName }}
         - {name: HSX_STORAGE__MOONCAKE__DEVICE_NAME, value: {{ . | quote }}}
         {{- end }}
