@@ -269,8 +269,8 @@ def _message(number: int, message: Any) -> dict[str, str]:
     if not isinstance(message, dict):
         raise ValueError(f"{where} must be an object")
     role = message.get("role")
-    if role not in ROLES:
-        raise ValueError(f"{where}.role {role!r}: one of {sorted(ROLES)}")
+    if not isinstance(role, str) or role not in ROLES:  # a list or dict is not hashable
+        raise ValueError(f"{where}.role {_short(role)}: one of {sorted(ROLES)}")
     others = sorted(k for k, v in message.items() if k not in ("role", "content") and v is not None)
     if others:
         raise ValueError(f"{where}: {others} have no /extract equivalent (role, content only)")
@@ -305,6 +305,12 @@ def _completion(body: dict[str, Any]) -> dict[str, Any]:
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters: a reason names the value, not all of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---------------------------------------------------------------- output

@@ -111,7 +111,8 @@ def _verify_checks(verify: argparse.ArgumentParser) -> None:
         "--parity-model",
         default=None,
         metavar="PATH_OR_HF_ID",
-        help="the served model for --parity and token drift (default: the run's model)",
+        help="the served model for --parity and token drift (default: the served name, "
+        "only as a Hugging Face id or a directory whose weights SHA-256 is the run's)",
     )
     verify.add_argument("--parity-seed", type=int, default=0, help="seed of the samples")
     verify.add_argument("--parity-device", choices=["cpu", "cuda"], default="cpu")

@@ -238,6 +238,9 @@ class Unparsable:
 
     line: str
     reason: str
+    #: ``row-`` + the SHA-256 of the whole line: lines that share their first 200
+    #: characters (two lines nested deep) are two rows, not duplicates.
+    id: str = ""
 
 
 def open_source(path: str | Path, id_column: str = "custom_id") -> Source:
@@ -260,7 +263,8 @@ def open_source(path: str | Path, id_column: str = "custom_id") -> Source:
         raise InputError(f"{path}: cannot read it as {source.format}: {exc}") from None
     if not peeked:
         raise InputError(f"{path}: no rows")
-    if isinstance(peeked[0], Unparsable):
+    # Not JSONL at all; one bad line among JSON ones (even the first) is a malformed row.
+    if all(isinstance(raw, Unparsable) for raw in peeked):
         raise InputError(f"{path}: the first line is not JSON ({peeked[0].reason})")
     columns = {key for raw in peeked if isinstance(raw, dict) for key in raw}
     batch = any(isinstance(raw, dict) and is_batch_line(raw) for raw in peeked)
@@ -324,9 +328,18 @@ def _jsonl(path: Path) -> Iterator[Any]:
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except (ValueError, UnicodeDecodeError) as exc:
-                yield Unparsable(line.decode("utf-8", "replace")[:200], f"not JSON: {exc}")
+                row = json.loads(line)
+            except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                yield _unparsable(line, f"not JSON: {exc}")
+            except Exception as exc:  # RecursionError (a line nested 100,000 deep): this row only
+                yield _unparsable(line, why(exc))
+            else:
+                yield row
+
+
+def _unparsable(line: bytes, reason: str) -> Unparsable:
+    digest = hashlib.sha256(line.rstrip(b"\r\n")).hexdigest()[:40]
+    return Unparsable(line.decode("utf-8", "replace")[:200], reason, "row-" + digest)
 
 
 def _json(path: Path) -> Iterator[Any]:
@@ -364,9 +377,35 @@ def _arrow_dir(path: Path) -> Iterator[Any]:
 
 
 def iter_rows(source: Source, id_column: str = "custom_id") -> Iterator[Row]:
-    """Every row of ``source`` normalised, in file order."""
+    """Every row of ``source`` normalised, in file order; a row that makes normalising
+    raise anything (a bug's TypeError, a RecursionError) is that row's malformed reason."""
     for index, raw in enumerate(source.rows()):
         if isinstance(raw, Unparsable):
-            yield Row(index, content_id(raw.line), error=f"malformed: {raw.reason}")
-        else:
+            yield Row(index, raw.id or content_id(raw.line), error=f"malformed: {raw.reason}")
+            continue
+        try:
             yield normalise(index, raw, id_column, source.expect)
+        except Exception as exc:  # one hostile row must not end the reading of the others
+            yield Row(index, _fallback_id(index, raw, id_column), error=f"malformed: {why(exc)}")
+
+
+def why(exc: BaseException) -> str:
+    """What a reader's exception says about its row, on one line."""
+    if isinstance(exc, RecursionError):
+        return "nested too deep to read (Python's recursion limit)"
+    text = " ".join(str(exc).split())[:200]
+    return f"cannot be read: {type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _fallback_id(index: int, raw: Any, id_column: str) -> str:
+    """The row's ``custom_id`` when it has a usable one, else its content id, else (a
+    row too deep to serialise) an id from its position, the same on every run."""
+    given = raw.get(id_column) if isinstance(raw, dict) else None
+    if isinstance(given, str | int) and not isinstance(given, bool):  # as normalise takes it
+        text = str(given)
+        if 0 < len(text) <= MAX_CUSTOM_ID and not_utf8(text) is None:
+            return text
+    try:
+        return content_id(raw)
+    except Exception:  # RecursionError: the row's position is all that identifies it
+        return "row-at-" + str(index)

@@ -35,7 +35,9 @@ class RunOptions(BaseModel):
     concurrency: int = Field(4, ge=1, description="Requests in flight per endpoint.")
     batch_size: int = Field(8, ge=1, description="Prompts per request.")
     retries: int = Field(8, ge=0, description="Retries of a prompt after transient errors.")
-    request_timeout: float = Field(600.0, gt=0, description="Deadline of one request (s).")
+    request_timeout: float = Field(
+        600.0, gt=0, description="Deadline of one request, its whole answer included (s)."
+    )
     max_consecutive_errors: int = Field(
         10, ge=1, description="Errors in a row after which an endpoint is dropped."
     )

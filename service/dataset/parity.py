@@ -290,10 +290,13 @@ async def parity_check(
     tolerance: float | None = None,
 ) -> ParityReport:
     """Compare ``k`` sampled rows of ``runs`` with transformers and write ``parity.json``
-    into ``root``. ``model``: path or Hugging Face id (default: the run's model name);
-    ``tolerance``: the relative-error bound (default: :func:`bound_for` the run)."""
+    into ``root``. ``model``: path or Hugging Face id (default and checks:
+    ``model_choice.choose_model``); ``tolerance``: the relative-error bound (default:
+    :func:`bound_for` the run). Raises ParityError when the model cannot be used."""
     from service.dataset.manifest import load_records
+    from service.dataset.model_choice import check_downloaded, choose_model, recorded_weights
 
+    model = await asyncio.to_thread(choose_model, model, runs)
     fp = runs[0][1].fingerprint
     bound = tolerance if tolerance is not None else bound_for(fp.dtype, fp.codec)
     candidates = []
@@ -301,7 +304,7 @@ async def parity_check(
         records = await load_records(store)
         candidates += [Sampled(store, job, r) for r in records.values() if r.status == "ok"]
     report = ParityReport(
-        model=model or fp.model,
+        model=model,
         dtype=fp.dtype,
         codec=fp.codec,
         device=device,
@@ -312,6 +315,7 @@ async def parity_check(
     )
     started = time.perf_counter()
     reference = await asyncio.to_thread(Reference, report.model, fp.dtype, device)
+    await asyncio.to_thread(check_downloaded, model, recorded_weights(runs))
     report.load_s = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     await check_rows(client, reference, sample(candidates, k, seed), report)

@@ -27,13 +27,16 @@ import itertools
 import random
 import sys
 import time
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from service.client import AsyncHsxClient, BadResponseError, HsxError, encode_extract
 from service.client.models import ExtractResponse, LayerStatistics, StoredObject
+from service.dataset.answers import AnswerCheck, first_root
 from service.dataset.inputs import Row, Source, iter_rows, shard_of
 from service.dataset.manifest import (
     JOB,
@@ -53,6 +56,7 @@ from service.dataset.replies import error_text, refusal_of
 from service.dataset.statistics import STATISTICS, object_statistics, run_statistics
 from service.dataset.store import OutputError, RunStore
 
+T = TypeVar("T")
 TRANSIENT = {500, 502, 503, 504}
 #: Rows read ahead of the workers.
 QUEUE_ROWS = 2048
@@ -130,6 +134,9 @@ class Run:
         self.stopped: str | None = None
         self.shard_rows = 0
         self.warned: set[str] = set()
+        self.timeout = options.request_timeout
+        #: The checks of every 200 (its namespace set from the manifest, in ``run``).
+        self.check = AnswerCheck()
 
     async def run(self) -> Summary:
         """Feed, work and summarise; ends (with ``stopped`` set if it must) whatever fails.
@@ -139,6 +146,7 @@ class Run:
         """
         self.started = time.monotonic()
         records = await load_records(self.store)
+        self.check.root = first_root([r.key for r in records.values() if r.key])
         total = await asyncio.to_thread(self.source.count)
         shards = self.options.shard[1] if self.options.shard else 1
         counters = counters_from(records, expected=-(-total // shards))
@@ -217,11 +225,13 @@ class Run:
         seen: dict[str, int] = {}
         rows = iter_rows(self.source, self.options.id_column)
         while self.stopped is None:
-            batch = await asyncio.to_thread(lambda: list(itertools.islice(rows, 256)))
+            batch, broke = await asyncio.to_thread(read_some, rows, 256)
+            for row in batch:  # the rows read before a reader broke still go
+                await self.feed_one(row, records, seen)
+            if broke is not None:
+                raise broke
             if not batch:
                 break
-            for row in batch:
-                await self.feed_one(row, records, seen)
         self.fed = True
         self.check_settled()
         self.check_accounting()  # the workers may have finished before the last row was read
@@ -355,8 +365,12 @@ class Run:
         if not batch:
             return 0.0
         try:
-            answer = await endpoint.client.extract_encoded(content, len(batch))
-        except httpx.HTTPError as exc:
+            answer = await self.within(endpoint.client.extract_encoded(content, len(batch)))
+            objects = objects_of(answer, self.check)
+        except TimeoutError:  # a body trickled a byte at a time: every read is in time
+            reason = f"timeout: no whole answer within --request-timeout {self.timeout:g} s"
+            return await self.transient(endpoint, batch, reason, None)
+        except httpx.HTTPError as exc:  # AnswerTooLargeError too: a body over the cap
             return await self.transient(endpoint, batch, f"{type(exc).__name__}: {exc}", None)
         except BadResponseError as exc:  # a proxy's page, a truncated body: like a 5xx
             reason = f"bad_response: {exc.message}"
@@ -365,8 +379,14 @@ class Run:
         except HsxError as exc:
             return await self.failed(endpoint, batch, exc)
         endpoint.errors_in_a_row = 0
-        await self.accepted(endpoint, batch, objects_of(answer))
+        await self.accepted(endpoint, batch, objects)
         return 0.0
+
+    async def within(self, work: Awaitable[T]) -> T:
+        """``work``, or TimeoutError once ``--request-timeout`` has passed: a deadline for
+        the whole answer (httpx's timeout bounds each read only)."""
+        async with asyncio.timeout(self.timeout):
+            return await work
 
     async def failed(self, endpoint: Endpoint, batch: list[Item], error: HsxError) -> float:
         """An error answer: back off (429, 5xx), stop (401, 403, 404) or refuse."""
@@ -426,10 +446,9 @@ class Run:
     async def record_object(self, endpoint: Endpoint, item: Item, obj: StoredObject) -> None:
         if not self.options.include_output_tokens and obj.num_tokens > self.max_length:
             # Only the server counts text and message tokens: drop what is over the limit.
-            with contextlib.suppress(
-                httpx.HTTPError, HsxError
-            ):  # else orphaned; skipped all the same
-                await endpoint.client.delete(obj.key)
+            # Else orphaned; skipped all the same.
+            with contextlib.suppress(httpx.HTTPError, HsxError, TimeoutError):
+                await self.within(endpoint.client.delete(obj.key))
             self.settle(item, "skipped", f"too_long: {obj.num_tokens} > {self.max_length}")
             return
         if item.done:
@@ -460,7 +479,7 @@ class Run:
         (its engine did not run for this one); None if it cannot be read now: the row
         is stored all the same, and ``statistics.json`` counts it as without sums."""
         try:
-            data = await endpoint.client.get_object(obj.key)
+            data = await self.within(endpoint.client.get_object(obj.key))
             return await asyncio.to_thread(object_statistics, data, self.fingerprint.codec)
         except Exception as exc:  # statistics never fail a row
             self.warn_once(f"warning: no statistics for found objects ({describe(exc)})")
@@ -523,10 +542,24 @@ class Run:
                 self.queue.put_nowait(item)
 
 
-def objects_of(answer: ExtractResponse) -> dict[int, StoredObject]:
+def read_some(rows: Iterator[Row], count: int) -> tuple[list[Row], Exception | None]:
+    """Up to ``count`` rows, and what the reader raised after them (None: it did not)."""
+    batch: list[Row] = []
+    try:
+        for row in itertools.islice(rows, count):
+            batch.append(row)
+    except Exception as exc:  # the whole input's failure, not one row's (iter_rows keeps those)
+        return batch, exc
+    return batch, None
+
+
+def objects_of(
+    answer: ExtractResponse, check: AnswerCheck | None = None
+) -> dict[int, StoredObject]:
     """The objects of an ``/extract`` answer by prompt index (the client has checked
-    that each index is one of the batch's prompts)."""
-    return {obj.index: obj for obj in answer.objects}
+    that each index is one of the batch's prompts; ``check``, the run's, that none
+    repeats and every key is in the run's namespace). Raises BadResponseError."""
+    return (check or AnswerCheck()).objects(answer)
 
 
 def describe(exc: BaseException) -> str:

@@ -11,6 +11,7 @@ import sys
 import httpx
 
 from service.client import AsyncHsxClient
+from service.dataset.answers import CappedTransport, answer_cap
 from service.dataset.endpoints import ServerInfo, probe_all
 from service.dataset.inputs import open_source
 from service.dataset.manifest import Fingerprint, Summary, check_fingerprint, check_provenance
@@ -45,7 +46,10 @@ async def run_dataset_async(options: RunOptions) -> Summary:
                     url,
                     options.api_key,
                     timeout=timeout,
-                    max_connections=options.concurrency + 4,
+                    # no /extract answer of a batch is larger: a bigger body is refused
+                    transport=CappedTransport(
+                        answer_cap(options.batch_size), options.concurrency + 4
+                    ),
                 )
             )
             for url in options.endpoint_urls()

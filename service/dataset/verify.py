@@ -39,7 +39,7 @@ class Checks:
 
     #: Rows compared with transformers (0: no parity check).
     parity: int = 0
-    #: Path or Hugging Face id of the served model (default: the run's model name).
+    #: Path or Hugging Face id of the served model (default: ``model_choice``'s).
     parity_model: str | None = None
     parity_seed: int = 0
     parity_device: str = "cpu"
@@ -131,10 +131,11 @@ async def verify_async(
     try:
         async with AsyncHsxClient(endpoint, api_key, timeout=120) as client:
             runs = await run_stores(root)
+            model = await _model(checks, runs) if checks.parity else None  # refuse early
             for store, job in runs:
                 await _check_run(client, store, job, report, concurrency, check_input, checks)
             if checks.drift_rows:
-                await _check_drift(client, runs, report, checks)
+                await _check_drift(client, runs, report, checks, model)
             if checks.parity:
                 from service.dataset.parity import parity_check
 
@@ -143,7 +144,7 @@ async def verify_async(
                     root,
                     runs,
                     checks.parity,
-                    model=checks.parity_model,
+                    model=model,
                     seed=checks.parity_seed,
                     device=checks.parity_device,
                     tolerance=checks.parity_tolerance,
@@ -153,15 +154,27 @@ async def verify_async(
     return report
 
 
+async def _model(checks: Checks, runs: list[tuple[RunStore, Job]]) -> str:
+    """The model parity and token drift load (``model_choice``: never a directory
+    that merely shares the served name); ParityError when there is none."""
+    from service.dataset.model_choice import choose_model
+
+    return await asyncio.to_thread(choose_model, checks.parity_model, runs)
+
+
 async def _check_drift(
-    client: AsyncHsxClient, runs: list[tuple[RunStore, Job]], report: VerifyReport, checks: Checks
+    client: AsyncHsxClient,
+    runs: list[tuple[RunStore, Job]],
+    report: VerifyReport,
+    checks: Checks,
+    model: str | None,
 ) -> None:
     """Token drift of each run directory's sampled messages rows (one tokenizer load)."""
     from service.dataset.drift import drift_check, load_tokenizer, message_rows
 
     if not any(message_rows(job) for _, job in runs):
         return  # no messages rows (or no readable input): nothing to load a tokenizer for
-    model = checks.parity_model or runs[0][1].fingerprint.model
+    model = model or await _model(checks, runs)
     tokenizer = await asyncio.to_thread(load_tokenizer, model)
     for store, job in runs:
         found = await drift_check(

@@ -6,12 +6,34 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-#: (status, headers, body): a JSON-able body, or bytes sent as they are.
+#: (status, headers, body): a JSON-able body, bytes sent as they are, or a
+#: :class:`Trickled` or :class:`Flood` body (a hostile server's).
 Reply = tuple[int, dict[str, str], Any]
+
+
+@dataclass(frozen=True)
+class Trickled:
+    """A body announced whole (``Content-Length``) and sent a byte every ``every_s``
+    seconds: each read is in time, the whole answer never is."""
+
+    data: bytes
+    every_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Flood:
+    """``size`` bytes of filler, announced by ``Content-Length`` when ``declared``, else
+    sent until the client hangs up (an HTTP/1.0 body ends when the connection does)."""
+
+    size: int
+    declared: bool = True
+
+
 MODEL = {
     "id": "tiny",
     "object": "model",
@@ -44,6 +66,20 @@ def stored(body: dict[str, Any]) -> Reply:
     return 200, {}, answer
 
 
+def size_of(body: Trickled | Flood) -> int:
+    return len(body.data) if isinstance(body, Trickled) else body.size
+
+
+def pieces(body: Trickled | Flood) -> Iterator[bytes]:
+    """A trickle byte by byte; a flood 64 kB at a time."""
+    if isinstance(body, Trickled):
+        for at in range(len(body.data)):
+            yield body.data[at : at + 1]
+        return
+    for at in range(0, body.size, 64 * 1024):
+        yield b" " * min(64 * 1024, body.size - at)
+
+
 class QuietServer(ThreadingHTTPServer):
     """A client that hangs up mid-answer (a run stopping) is not the test's stderr."""
 
@@ -62,6 +98,10 @@ class Scripted:
         #: The ``GET /v1/models`` card (a test may add provenance, change the model).
         self.model: dict[str, Any] = dict(MODEL)
         self.tokenize: Callable[[dict[str, Any]], Reply] = lambda body: (404, {}, {})
+        #: Body bytes of Trickled and Flood answers written before the client hung up
+        #: (the kernel's socket buffers take a few MB of them unread).
+        self.streamed = 0
+        self.closing = threading.Event()
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -90,6 +130,9 @@ class Scripted:
                 self.reply(*owner.script(body))
 
             def reply(self, status: int, headers: dict[str, str], body: Any) -> None:
+                if isinstance(body, Trickled | Flood):
+                    self.stream(status, body)
+                    return
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
                 for name, value in {"Content-Type": "application/json", **headers}.items():
@@ -97,6 +140,27 @@ class Scripted:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def stream(self, status: int, body: Trickled | Flood) -> None:
+                """The body in pieces, until it ends, the client hangs up, or the
+                stand-in closes."""
+                trickled = isinstance(body, Trickled)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                if trickled or body.declared:
+                    self.send_header("Content-Length", str(size_of(body)))
+                self.end_headers()
+                try:
+                    for piece in pieces(body):
+                        if owner.closing.is_set():
+                            break
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                        owner.streamed += len(piece)
+                        if isinstance(body, Trickled):  # the fault: a byte a second
+                            owner.closing.wait(body.every_s)
+                except OSError:  # the client hung up
+                    pass
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -110,5 +174,6 @@ class Scripted:
         return sum(len(b["prompts"]) for b in self.bodies)
 
     def close(self) -> None:
+        self.closing.set()  # a trickle still being sent stops
         self.server.shutdown()
         self.server.server_close()

@@ -296,3 +296,49 @@ def test_export_refuses_an_existing_target(tmp_path: Path, servers: Any, capsys:
     assert code == 2
     assert "exists" in capsys.readouterr().err
     assert dest.read_text() == "keep\n"
+
+
+# ---------------------------------------------------------------- hostile lines (issue 58)
+
+
+def test_hostile_lines_fail_alone_and_a_resume_finishes(
+    tmp_path: Path, servers: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ten good lines and three no reader can take (a list role, a dict role, a line
+    nested 100,000 deep): exit 0, the ten ok, the three malformed; a resume sends
+    nothing again (the stand-in's run; tests/dataset/test_dataset_e2e.py runs it on
+    real servers)."""
+    good = [line({"messages": [{"role": "user", "content": f"hi {i}"}]}) for i in range(10)]
+    for number, row in enumerate(good):
+        row["custom_id"] = f"good-{number}"
+    rows = [json.dumps(r) for r in good]
+    rows[3:3] = [json.dumps(line({"messages": [{"role": ["user"], "content": "x"}]}))]
+    rows[6:6] = [json.dumps({**line({"messages": [{"role": {"r": 1}, "content": "x"}]}),
+                             "custom_id": "dict-role"})]  # fmt: skip
+    deep = "[" * 100_000 + "]" * 100_000
+    rows[9:9] = [json.dumps(line({"messages": "DEEP"})).replace('"DEEP"', deep)]
+    source = tmp_path / "batch.jsonl"
+    source.write_text("\n".join(rows) + "\n")
+    server = servers(answer)
+    argv = ["dataset", "run", str(source), "--endpoint", server.url,
+            "--output", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["ok"], summary["failed"], summary["pending"]) == (10, 3, 0)
+    records = [
+        json.loads(x) for x in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()
+    ]
+    failed = {r["row"]: r["reason"] for r in records if r["status"] == "failed"}
+    assert failed[3].startswith(
+        "malformed: row 3 (custom_id 'req-7'): body.messages[0].role ['user']"
+    )
+    assert failed[6].startswith(
+        "malformed: row 6 (custom_id 'dict-role'): body.messages[0].role {'r': 1}"
+    )
+    assert failed[9] == "malformed: nested too deep to read (Python's recursion limit)"
+    assert sorted(p["custom_id"] for b in server.bodies for p in b["prompts"]) == sorted(
+        f"good-{i}" for i in range(10)
+    )
+    sent = server.prompts()
+    assert main(argv) == 0  # the resume: every row decided, nothing sent again
+    assert server.prompts() == sent

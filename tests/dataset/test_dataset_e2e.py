@@ -283,3 +283,59 @@ def test_shards_cover_every_row_once_and_fingerprints_guard_outputs(
     assert {p.name: p.read_bytes() for p in shard0.iterdir()} == before
     ids = {row.index: row.custom_id for row in iter_rows(open_source(source))}
     assert len(set(ids.values())) == 60
+
+
+def chat_line(custom_id: str, role: Any, text: str = "say hello") -> dict[str, Any]:
+    body = {"messages": [{"role": role, "content": text}]}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+#: 100,000 brackets deep: valid JSON that no reader of Python's can recurse into.
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def hostile_inputs() -> dict[str, tuple[list[str], dict[int, str]]]:
+    """Batch API and plain JSONL inputs, each ten good lines among hostile ones: the
+    lines, and the reason each hostile row must end with."""
+    batch = [json.dumps(chat_line(f"b{i}", "user", f"say {i}")) for i in range(10)]
+    batch[2:2] = [json.dumps(chat_line("list-role", ["user"]))]
+    batch[5:5] = [json.dumps(chat_line("dict-role", {"role": "user"}))]
+    batch[8:8] = [json.dumps(chat_line("deep", "user")).replace('"say hello"', DEEP)]
+    native = [json.dumps({"custom_id": f"n{i}", "messages": [{"role": "user", "content": f"{i}"}]})
+              for i in range(10)]  # fmt: skip
+    native[4:4] = ['{"custom_id": "deep", "messages": ' + DEEP + "}"]
+    roles = "one of ['assistant', 'system', 'tool', 'user']"
+    too_deep = "malformed: nested too deep to read (Python's recursion limit)"
+    reasons = {
+        2: f"malformed: row 2 (custom_id 'list-role'): body.messages[0].role ['user']: {roles}",
+        5: "malformed: row 5 (custom_id 'dict-role'): body.messages[0].role {'role': 'user'}: "
+        + roles,
+        8: too_deep,
+    }
+    return {"batch": (batch, reasons), "native": (native, {4: too_deep})}
+
+
+@pytest.mark.parametrize("kind", ["batch", "native"])
+def test_hostile_lines_fail_alone_and_the_run_and_its_resume_finish(
+    cluster: dict[str, Any], tmp_path: Path, kind: str
+) -> None:
+    """Issue 58 (M3, L6): a list role, a dict role, a line nested 100,000 deep once
+    stopped the whole run (exit 1, ok 0), and every resume at the same line."""
+    lines, reasons = hostile_inputs()[kind]
+    source = tmp_path / f"{kind}.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out"
+    command = cli("run", str(source), "--endpoint", cluster["a"], "--output", str(output),
+                  "--no-progress")  # fmt: skip
+    for session in ("run", "resume"):
+        done = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (session, done.stdout[-3000:] + done.stderr[-3000:])
+    summary = json.loads((output / "summary.json").read_text())
+    assert (summary["ok"], summary["failed"], summary["pending"]) == (10, len(reasons), 0)
+    assert summary["complete"] is True
+    records = [json.loads(x) for x in (output / "manifest.jsonl").read_text().splitlines()]
+    assert len(records) == len(lines)  # the resume decided nothing again
+    failed = {r["row"]: r["reason"] for r in records if r["status"] == "failed"}
+    assert failed == reasons
+    ok = [r for r in records if r["status"] == "ok"]
+    assert all(r["num_tokens"] > 0 and r["key"].startswith(f"hsx/{NAMESPACE}/") for r in ok)

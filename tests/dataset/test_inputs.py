@@ -193,3 +193,76 @@ def test_batch_api_lines_read_alike_from_every_format(tmp_path: Path) -> None:
         got = list(iter_rows(open_source(path)))
         assert [r.custom_id for r in got] == ["b0", "b1", "b2"], kind
         assert all(r.prompt == {"messages": CHAT[:2]} for r in got), (kind, got[0].error)
+
+
+# ---------------------------------------------------------------- hostile lines (issue 58)
+
+#: A line nested 100,000 deep: valid JSON, beyond what Python's reader can recurse into.
+DEEP = '{"custom_id": "deep", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+TOO_DEEP = "malformed: nested too deep to read (Python's recursion limit)"
+
+
+def batch_line(custom_id: str, role: Any) -> str:
+    body = {"messages": [{"role": role, "content": "hi"}]}
+    return json.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    )
+
+
+def test_a_line_too_deep_to_read_is_its_row_s_failure_even_first(tmp_path: Path) -> None:
+    path = tmp_path / "deep.jsonl"
+    good = [json.dumps({"text": f"row {i}"}) for i in range(3)]
+    path.write_text("\n".join([DEEP, good[0], DEEP.replace("deep", "deep-2"), *good[1:]]) + "\n")
+    rows = list(iter_rows(open_source(path)))  # not refused for its first line
+    assert [r.error for r in rows] == [TOO_DEEP, None, TOO_DEEP, None, None]
+    assert [r.prompt for r in rows[1::2]] + [rows[4].prompt] == [
+        {"text": "row 0"},
+        {"text": "row 1"},
+        {"text": "row 2"},
+    ]
+    assert rows[0].custom_id != rows[2].custom_id  # two rows, not one row twice
+
+
+def test_batch_lines_with_a_list_or_dict_role_fail_alone(tmp_path: Path) -> None:
+    lines = [batch_line("good-0", "user"), batch_line("list", ["user"])]
+    lines += [batch_line("dict", {"role": "user"}), DEEP, batch_line("good-1", "user")]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    rows = list(iter_rows(open_source(path)))
+    assert [r.custom_id for r in rows[:3]] == ["good-0", "list", "dict"]
+    assert [r.prompt for r in (rows[0], rows[4])] == [
+        {"messages": [{"role": "user", "content": "hi"}]}
+    ] * 2
+    roles = "['assistant', 'system', 'tool', 'user']"
+    assert rows[1].error == (
+        f"malformed: row 1 (custom_id 'list'): body.messages[0].role ['user']: one of {roles}"
+    )
+    assert rows[2].error == (
+        "malformed: row 2 (custom_id 'dict'): body.messages[0].role {'role': 'user'}: "
+        f"one of {roles}"
+    )
+    assert rows[3].error == TOO_DEEP
+
+
+def test_whatever_normalising_raises_fails_that_row_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader bug on one row (any exception) is that row's reason, not the input's."""
+    from service.dataset import inputs
+
+    normalise = inputs.normalise
+
+    def buggy(index: int, raw: Any, *args: Any) -> Any:
+        if raw.get("text") == "b":
+            raise TypeError("unhashable type: 'list'")
+        return normalise(index, raw, *args)
+
+    monkeypatch.setattr(inputs, "normalise", buggy)
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b", "custom_id": "b-1"}\n{"text": "c"}\n')
+    rows = list(iter_rows(open_source(path)))
+    assert [r.prompt for r in rows] == [{"text": "a"}, None, {"text": "c"}]
+    assert (rows[1].custom_id, rows[1].error) == (
+        "b-1",
+        "malformed: cannot be read: TypeError: unhashable type: 'list'",
+    )

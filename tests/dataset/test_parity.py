@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -253,3 +254,34 @@ def test_job_json_records_the_servers_provenance(tiny: ServedRun) -> None:
     job = json.loads((tiny.output / "job.json").read_text())
     assert len(card["provenance"]["weights_sha256"]) == 64
     assert job["provenance"] == card["provenance"]
+
+
+def test_without_parity_model_only_the_served_weights_are_loaded(
+    tiny: ServedRun,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 58 (L2): the served name is the model directory's name; a ``./NAME`` of
+    other weights in the working directory once gave "2 of 2 rows failed". Now it is
+    refused (exit 2, one line), and a ``./NAME`` holding the served weights is used."""
+    from service.engine.tiny_models import make_model
+
+    output = tiny.copy(tmp_path / "run")
+    name = json.loads((output / "job.json").read_text())["fingerprint"]["model"]
+    monkeypatch.chdir(tmp_path)
+    make_model(tmp_path / name, "llama", seed=1)  # same shape, other weights
+    capsys.readouterr()
+    code, text = verify(capsys, tiny, output, "--parity", "2")
+    assert code == 2, text
+    assert text.splitlines()[-1].startswith(f"hsx dataset: error: {name}: its weights (SHA-256 ")
+    assert "are not the run's" in text
+    assert "--parity-model" in text
+    assert "FAIL" not in text
+
+    shutil.rmtree(tmp_path / name)
+    shutil.copytree(tiny.model, tmp_path / name)  # the served weights under the served name
+    code, text = verify(capsys, tiny, output, "--parity", "2")
+    assert code == 0, text
+    assert f"parity: 2 rows against {name} " in text
+    assert ": 0 failed" in text

@@ -14,52 +14,25 @@ import inspect
 import json
 import random
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from service.cli import main
 from service.dataset import cli as dataset_cli
 from service.dataset import runner
 from service.dataset.inputs import Row
 from service.dataset.store import RunStore
+from tests.dataset.cli_runs import LIMIT_S, dataset_run, read_manifest, read_summary, write_input
 from tests.dataset.standins import Reply, stored
 
-#: Wall-time bound of one run (a loaded 2-core machine; a healthy run takes ~1 s).
-LIMIT_S = 60.0
 HTML = b"<html><body><h1>502 Bad Gateway</h1><p>nginx</p></body></html>"
 
 
 def html(body: dict[str, Any]) -> Reply:
     """A proxy in front of a dead replica: 200, and its HTML page."""
     return 200, {"Content-Type": "text/html"}, HTML
-
-
-def dataset_run(tmp_path: Path, source: Path, urls: list[str], *extra: str) -> tuple[int, float]:
-    """``hsx dataset run`` in-process (so monkeypatches apply), on a thread the test
-    waits for at most LIMIT_S: (exit code, seconds)."""
-    argv = ["dataset", "run", str(source), "--output", str(tmp_path / "out"), "--no-progress"]
-    for url in urls:
-        argv += ["--endpoint", url]
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["code"] = main([*argv, *extra])
-        except BaseException as exc:  # a traceback is a failure too: keep it for the assert
-            result["raised"] = exc
-
-    started = time.monotonic()
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(LIMIT_S)
-    elapsed = time.monotonic() - started
-    assert not thread.is_alive(), f"hsx dataset run still running after {LIMIT_S} s (a hang)"
-    assert "raised" not in result, f"hsx dataset run raised {result['raised']!r}"
-    return int(result["code"]), elapsed
 
 
 @pytest.fixture(autouse=True)
@@ -102,20 +75,6 @@ SURROGATE_ROWS = [
         "malformed: custom_id is not valid UTF-8: a lone surrogate U+D83D at character 3",
     ),
 ]
-
-
-def write_input(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines))
-    return path
-
-
-def read_manifest(tmp_path: Path) -> list[dict[str, Any]]:
-    path = tmp_path / "out" / "manifest.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def read_summary(tmp_path: Path) -> dict[str, Any]:
-    return dict(json.loads((tmp_path / "out" / "summary.json").read_text()))
 
 
 def stderr_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:

@@ -62,7 +62,8 @@ def storing(server: Scripted, fail_after: int | None = None, found: bool = False
             ids = prompt["token_ids"]
             states = states_of(prompt["custom_id"], len(ids))
             data = save({"hidden_states": states, "token_ids": np.array(ids, dtype=np.int64)})
-            key = f"hsx/t/{hashlib.sha256(prompt['custom_id'].encode()).hexdigest()}.safetensors"
+            digest = hashlib.sha256(prompt["custom_id"].encode()).hexdigest()
+            key = f"hsx/t/by-id/{digest[:2]}/{digest}.safetensors"
             server.objects[key] = data
             objects.append(
                 {"index": index, "key": key, "uri": "file:///x", "num_tokens": len(ids),
