@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service import codecs
 from service.codecs import Codec
-from service.storage.expiry import MAX_TTL_S
+from service.keyspace import MAX_TTL_S
 
 MIB = 1024 * 1024
 #: Mooncake refuses to mount a smaller global segment (setup fails with -600).
@@ -431,7 +431,7 @@ class StorageSettings(BaseModel):
     @field_validator("key_prefix")
     @classmethod
     def _prefix_is_safe(cls, value: str) -> str:
-        from service.storage.keys import validate_key
+        from service.keyspace import validate_key
 
         return validate_key(value) if value else value
 

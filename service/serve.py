@@ -99,7 +99,7 @@ def _serve(settings: Settings) -> int:
     handed to the engine (``service.engine.builder.Prepared``): nothing is read or
     opened twice.
     """
-    from service.metrics import ExtractorMetrics
+    from service.engine.metrics import ExtractorMetrics
     from service.storage import scheme_of
 
     startup.check_parallelism(settings.engine)  # settings alone: before any I/O

@@ -27,7 +27,8 @@ from service.api.state import Admission, ApiState, StorageProbe
 from service.config import Settings
 from service.engine.builder import Prepared, served_model_name
 from service.engine.introspect import capacity_of
-from service.metrics import ExtractorMetrics, StoreCollector
+from service.engine.metrics import ExtractorMetrics
+from service.metrics import StoreCollector
 from service.storage import scheme_of
 from service.storage.local import root_from_url
 from service.storage.sweeper import sweep_forever

@@ -52,6 +52,11 @@ class BodyError(StarletteHTTPException):
         self.error = error
 
 
+def limit_error(field: str, message: str, *, index: int | None = None) -> ApiError:
+    """A 422 ``limit_exceeded`` naming ``field`` (and the prompt at ``index``)."""
+    return ApiError(422, "limit_exceeded", f"{field}: {message}", field=field, index=index)
+
+
 #: Error types that only say "this union branch does not apply": never the best error.
 _BRANCH_MISMATCH = {"string_type", "model_type", "dict_type", "model_attributes_type"}
 

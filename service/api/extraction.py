@@ -24,7 +24,7 @@ from service.api.errors import ApiError
 from service.api.idempotency import extract_once
 from service.api.job import ExtractOptions, Job
 from service.api.outcomes import Outcome, as_outcome, error_name, outcome_of
-from service.api.prompts import timeout_error
+from service.api.pool import timeout_error
 from service.api.state import ApiState
 from service.engine.wire import Extraction
 from service.storage.keys import new_object_key

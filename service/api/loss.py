@@ -9,13 +9,11 @@ naming it and the reason.
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from service.api.errors import ApiError
-from service.api.openai_protocol import as_mapping
+from service.api.messages import as_mapping, plain_message
 from service.api.schemas import ExtractRequest
 from service.masks import LossMode, MaskError, Span, compute
 
@@ -87,7 +85,7 @@ def chat_spans(
     unsupervised). Anything else (a request ``chat_template``, template kwargs,
     ``continue_final_message``) would misalign the mask, so it raises MaskError.
     """
-    plain = [_plain_message(as_mapping(m)) for m in messages]
+    plain = [plain_message(as_mapping(m)) for m in messages]
     masked = compute(tokenizer, plain, loss, tools=tools)
     if rendered[: len(masked.token_ids)] != masked.token_ids:
         raise MaskError(
@@ -96,34 +94,3 @@ def chat_spans(
             "continue_final_message?); no mask can be aligned with its tokens"
         )
     return masked.spans
-
-
-def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """An OpenAI message as chat templates take it, the way vLLM's renderer passes it on:
-    text parts joined with newlines, tool-call arguments parsed from their JSON."""
-    plain = dict(message)
-    content = plain.get("content")
-    if isinstance(content, list):
-        plain["content"] = "\n".join(
-            str(part.get("text", ""))
-            for part in content
-            if isinstance(part, dict) and part.get("type") == "text"
-        )
-    if plain.get("tool_calls"):
-        plain["tool_calls"] = [
-            _plain_tool_call(call) if isinstance(call, dict) else call
-            for call in plain["tool_calls"]
-        ]
-    return plain
-
-
-def _plain_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
-    plain = dict(call)
-    function = dict(plain.get("function") or {})
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        # Left as sent when not JSON: the alignment check catches a template that differs.
-        with contextlib.suppress(ValueError):
-            function["arguments"] = json.loads(arguments)
-    plain["function"] = function
-    return plain

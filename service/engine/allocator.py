@@ -33,9 +33,9 @@ bounded steps and when idle, as before.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
+
+from service.glibc import glibc, malloc_trim
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def steady_heap() -> bool:
 def _mallopt(*options: tuple[str, int, int]) -> bool:
     """glibc's ``mallopt`` for each ``(name, parameter, value)`` in turn; False (with a
     warning) at the first it refuses, or where the C library is not glibc."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return False
     for name, parameter, value in options:
@@ -93,18 +93,6 @@ def _mallopt(*options: tuple[str, int, int]) -> bool:
             log.warning("mallopt(%s, %d) was refused; the worker's RSS may differ", name, value)
             return False
     return True
-
-
-def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        libc = ctypes.CDLL(name)
-        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it (musl does not)
-    except (OSError, AttributeError):
-        return None
-    return libc
 
 
 #: The writer trims after releasing this share of its in-flight ceiling.
@@ -124,8 +112,7 @@ class Trimmer:
     def __init__(self, every: int) -> None:
         self.every = max(1, every)
         self._since = 0
-        libc = _glibc()
-        self._trim = None if libc is None else libc.malloc_trim
+        self._trim = malloc_trim()
         #: Trims done (for tests and the bench's notes).
         self.count = 0
         #: Releases counted: the idle timer trims only if none came since it started.

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineSettings, Settings
+from service.engine.metrics import ExtractorMetrics
 from service.engine.parallel import BIND_VARIABLE, cpu_binding, pipeline_refusal
 from service.engine.provenance import Provenance, build_provenance
 from service.engine.wire import ConnectorConfig
-from service.metrics import ExtractorMetrics
 from service.storage import Storage, open_storage, scheme_of
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ processes this way. The worker (tensor-parallel rank 0) PUSHes one message per o
 the API process binds the PULL end before the engine starts and resolves one future per
 object key. Keys are unique and made by the server, so they are the correlation id.
 Messages are :class:`service.engine.wire.Completion` (JSON, validated on receipt); they
-also carry the worker's storage calls for ``/metrics`` (why there: ``service.metrics``).
+also carry the worker's storage calls for ``/metrics`` (why there: ``service.engine.metrics``).
 
 The socket is ``ipc://`` by default (the writing rank on the API's host: TP within a
 node), or ``tcp://`` (``engine.completion_address``) where the writing rank can run on
@@ -60,8 +60,8 @@ from pydantic import TypeAdapter
 
 from service.config import split_tcp
 from service.engine.errors import CompletionChannelError
+from service.engine.metrics import DROP_REASONS
 from service.engine.wire import ChannelMessage, Completion, WriterHello
-from service.metrics import DROP_REASONS
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from service.engine.errors import (
 )
 from service.engine.front_end import VllmFrontEnd
 from service.engine.hugepages import ask_for_huge_pages
+from service.engine.metrics import ExtractorMetrics
 from service.engine.prestart import QueuePolling, use_preloaded_processes
 from service.engine.provenance import Provenance
 from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
-from service.metrics import ExtractorMetrics
 from service.storage import Storage
 from service.storage.keys import is_idempotent_key, new_object_key
 

@@ -4,8 +4,8 @@ An object's expiry is an absolute time, whole UTC unix seconds, fixed when it is
 published (``put(..., expires_at=)``) and kept beside the object by the backend that
 holds it (local disk: a sidecar file; S3: object tags and user metadata, see the
 backends). Reads and listings treat an object whose expiry has passed as gone at once;
-the bytes go later (the local sweeper, an S3 lifecycle rule). This module imports
-nothing of ours, so settings and schemas can share the bounds.
+the bytes go later (the local sweeper, an S3 lifecycle rule). The longest TTL,
+``MAX_TTL_S``, is one of the rules settings and schemas share (``service.keyspace``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import time
 
-#: The longest TTL a request or the server default may ask for: 366 days. Longer-lived
-#: objects are simply not given a TTL (the default).
-MAX_TTL_S = 366 * 24 * 3600
+from service.keyspace import MAX_TTL_S
+
+__all__ = ["EXPIRES_AT_TAG", "MAX_TTL_S", "TTL_DAYS_TAG", "expires_at", "is_expired", "ttl_days"]
+
 #: S3 object tag (and user-metadata key) holding the expiry, unix seconds.
 EXPIRES_AT_TAG = "hsx-expires-at"
 #: S3 object tag holding the TTL rounded up to whole days: what bucket lifecycle rules

@@ -18,16 +18,13 @@ import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+from service.keyspace import MAX_KEY_BYTES as MAX_KEY_BYTES
+from service.keyspace import MAX_SEGMENT_BYTES, SEGMENT, key_problem
 from service.storage.errors import InvalidKeyError
 
-MAX_KEY_BYTES = 1024  # S3's limit on key length
-MAX_SEGMENT_BYTES = 255  # NAME_MAX on every common file system
 OBJECT_SUFFIX = ".safetensors"
 BY_ID = "by-id"  # the segment of idempotent keys where dated keys have the year
 
-# A segment starts with a letter or digit (so never "." or "..", and never a hidden
-# temp file name) and holds only characters that are safe in URLs, shells and paths.
-_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]*")
 _NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?")
 
 
@@ -36,24 +33,19 @@ def validate_key(key: str) -> str:
 
     Safe means: ``/``-separated segments of ``[A-Za-z0-9._=-]`` each starting with a
     letter or digit, no empty segment, at most 255 bytes a segment and 1024 in all.
-    That rules out ``..``, absolute paths, NUL, backslashes and hidden names.
+    That rules out ``..``, absolute paths, NUL, backslashes and hidden names
+    (``service.keyspace``, the rules settings share).
     """
-    if not isinstance(key, str) or not key:
-        raise InvalidKeyError("key must be a non-empty string", key=str(key))
-    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
-        raise InvalidKeyError(f"key is longer than {MAX_KEY_BYTES} bytes", key=key[:64])
-    for segment in key.split("/"):
-        if len(segment) > MAX_SEGMENT_BYTES:
-            raise InvalidKeyError("key segment is longer than 255 bytes", key=key[:64])
-        if not _SEGMENT.fullmatch(segment):
-            raise InvalidKeyError(f"key segment {segment[:64]!r} is not allowed", key=key[:64])
+    problem = key_problem(key)
+    if problem is not None:
+        raise InvalidKeyError(problem, key=key[:64] if isinstance(key, str) else str(key))
     return key
 
 
 def is_segment(name: str) -> bool:
     """Whether ``name`` can be one ``/``-separated segment of a key."""
     return len(name.encode("utf-8", "surrogatepass")) <= MAX_SEGMENT_BYTES and bool(
-        _SEGMENT.fullmatch(name)
+        SEGMENT.fullmatch(name)
     )
 
 
@@ -81,7 +73,7 @@ def validate_key_prefix(prefix: str) -> str:
     head, _, last = prefix.rpartition("/")
     if head:
         validate_key(head)
-    if last and not _SEGMENT.fullmatch(last):
+    if last and not SEGMENT.fullmatch(last):
         raise InvalidKeyError(f"prefix segment {last[:64]!r} is not allowed", key=prefix[:64])
     if len(prefix.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
         raise InvalidKeyError(f"prefix is longer than {MAX_KEY_BYTES} bytes", key=prefix[:64])

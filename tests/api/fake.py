@@ -36,11 +36,11 @@ from service.engine.errors import (
     StorageWriteError,
 )
 from service.engine.front_end import VllmFrontEnd
+from service.engine.metrics import ExtractorMetrics
 from service.engine.objects import object_metadata
 from service.engine.provenance import Provenance, build_provenance
 from service.engine.statistics import layer_statistics
 from service.engine.wire import Extraction, RequestParams
-from service.metrics import ExtractorMetrics
 from service.storage.base import AlreadyExistsError
 from service.storage.expiry import expires_at
 from service.storage.local import LocalStorage

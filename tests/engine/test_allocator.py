@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from service.engine.allocator import _glibc
+from service.glibc import glibc as _glibc
 
 pytestmark = pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc")
 
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(_glibc() is None, reason="the C library is not g
 # 2 MiB and prints how many bytes of it mallinfo2 counts as mmapped.
 PROBE = """
 import ctypes, sys
-from service.engine.allocator import _glibc, fix_mmap_threshold
+from service.engine.allocator import fix_mmap_threshold
+from service.glibc import glibc as _glibc
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -65,7 +66,8 @@ def test_with_the_fixed_threshold_every_object_sized_block_is_mmapped() -> None:
 # growth left after the Trimmer's call, in MiB.
 TRIM_PROBE = """
 import ctypes, sys, threading
-from service.engine.allocator import Trimmer, _glibc, steady_heap
+from service.engine.allocator import Trimmer, steady_heap
+from service.glibc import glibc as _glibc
 
 if sys.argv[1] == "steady":
     assert steady_heap()
@@ -121,7 +123,8 @@ def test_the_writer_trimmer_gives_freed_objects_back(mode: str) -> None:
 # minor faults of five steps after three warm-up steps.
 STEP_PROBE = """
 import ctypes, resource, sys
-from service.engine.allocator import _glibc, steady_heap
+from service.engine.allocator import steady_heap
+from service.glibc import glibc as _glibc
 
 libc = _glibc()
 libc.malloc.restype = ctypes.c_void_p

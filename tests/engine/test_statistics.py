@@ -8,9 +8,9 @@ import torch
 
 from service.client.models import LayerStatistics
 from service.engine import statistics
+from service.engine.metrics import TOKEN_NORM_WEIGHT, ExtractorMetrics
 from service.engine.statistics import layer_statistics
 from service.engine.wire import Completion, StoredObject
-from service.metrics import TOKEN_NORM_WEIGHT, ExtractorMetrics
 from service.storage.base import StorageOp
 
 

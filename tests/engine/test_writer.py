@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 
 from service.config import StorageSettings
 from service.engine import writer
-from service.engine.allocator import _glibc
 from service.engine.completion import CompletionReceiver, CompletionSender
 from service.engine.jobs import CopyOut, PendingSave, WriteJob
 from service.engine.objects import object_metadata
 from service.engine.statistics import layer_statistics
 from service.engine.wire import Completion, WriteFailure
 from service.engine.writer import InFlightBudget, WriterPool
+from service.glibc import glibc as _glibc
 from service.masks import Span
 from service.storage.keys import new_object_key
 

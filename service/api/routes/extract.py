@@ -12,22 +12,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from service.api import extraction
+from service.api.bounded_route import BoundedBodyRoute, body_check
 from service.api.deps import NamespaceDep, StateDep
 from service.api.idempotency import Found
 from service.api.job import ExtractOptions, Job
 from service.api.loss import PromptSpans, loss_spans
 from service.api.outcomes import successes
-from service.api.prompts import (
-    BoundedBodyRoute,
-    body_check,
-    check_extract_body,
-    check_prompt_sizes,
-    check_request_limits,
-    client_disconnected,
-    in_pool,
-    request_deadline,
-    tokenize_all,
-)
+from service.api.pool import client_disconnected, in_pool, request_deadline
+from service.api.prompts import check_extract_body, check_prompt_sizes, check_request_limits
 from service.api.schemas import (
     ErrorBody,
     ExtractRequest,
@@ -38,6 +30,7 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import ApiState
+from service.api.tokenizing import tokenize_all
 from service.engine.wire import Extraction
 
 # Bodies are parsed (large ones on the tokenizer pool) and bounded before validation.

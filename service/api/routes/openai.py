@@ -59,16 +59,11 @@ from service.api.openai_protocol import (
     transfer_params,
 )
 from service.api.outcomes import successes
-from service.api.prompts import (
-    LoopRun,
-    check_request_limits,
-    check_token_ids,
-    client_disconnected,
-    in_pool,
-    request_deadline,
-)
+from service.api.pool import LoopRun, client_disconnected, in_pool, request_deadline
+from service.api.prompts import check_request_limits
 from service.api.schemas import ErrorBody
 from service.api.state import ApiState
+from service.api.tokenizing import check_token_ids
 from service.engine.wire import Extraction
 from service.masks import LossMode, MaskError
 
