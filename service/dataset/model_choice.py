@@ -22,8 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.dataset.manifest import WEIGHTS, Job
-from service.dataset.parity import ParityError
 from service.dataset.store import RunStore
+
+
+class ParityError(Exception):
+    """Parity cannot run (no model to load, an unknown dtype or codec). Defined here, where
+    the model is chosen, and raised by ``service.dataset.parity`` too."""
+
 
 ASK = "pass --parity-model with the served model's directory or Hugging Face id"
 

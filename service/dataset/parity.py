@@ -29,6 +29,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from service.dataset.manifest import Job, Record
+from service.dataset.model_choice import (
+    ParityError,
+    check_downloaded,
+    choose_model,
+    recorded_weights,
+)
 from service.dataset.store import RunStore
 
 if TYPE_CHECKING:
@@ -56,10 +62,6 @@ DTYPE_BOUNDS = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 #: fp8 keeps every token row under 3% relative error (``FP8_SCALE_STEPS``); bf16 rounds
 #: float32 states to 8 mantissa bits, at most 2^-9 relative per value.
 CODEC_BOUNDS = {"raw": 0.0, "lossless": 0.0, "bf16": 2.0**-9, "fp8": 3e-2}
-
-
-class ParityError(Exception):
-    """Parity cannot run (no model to load, an unknown dtype or codec)."""
 
 
 def bound_for(dtype: str, codec: str) -> float:
@@ -294,7 +296,6 @@ async def parity_check(
     ``model_choice.choose_model``); ``tolerance``: the relative-error bound (default:
     :func:`bound_for` the run). Raises ParityError when the model cannot be used."""
     from service.dataset.manifest import load_records
-    from service.dataset.model_choice import check_downloaded, choose_model, recorded_weights
 
     model = await asyncio.to_thread(choose_model, model, runs)
     fp = runs[0][1].fingerprint
