@@ -462,8 +462,9 @@ class LimitsSettings(BaseModel):
         MIB,
         ge=0,
         description="Largest answer of a request with `return: inline`: its objects' "
-        "bytes together (estimated from tokens x layers x hidden x the codec's bytes before "
-        "the engine runs; each object checked again once encoded).",
+        "bytes together, before base64 (every tensor and each header, the request's "
+        "`metadata` included, sized at the longest generation before the engine runs; "
+        "each object is held to its share of the limit once encoded).",
     )
     max_queued_prompts: int = Field(
         1024,

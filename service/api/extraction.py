@@ -118,7 +118,7 @@ async def _run_prompt(state: ApiState, job: Job, index: int) -> Extraction:
     if custom_id is not None:
         return await extract_once(state, job.namespace, options, custom_id, ids, spans)
     key = new_object_key(state.settings.storage.key_prefix, job.namespace)
-    params = options.params(key, spans)
+    params = job.params(index, key)
     return await state.extractor.extract(ids, params, max_tokens=options.max_tokens)
 
 

@@ -1,8 +1,16 @@
 """What a request asks the engine for, checked once: :class:`ExtractOptions` (the same
-for each of its objects) and the :class:`Job` a route hands ``service.api.extraction``."""
+for each of its objects) and the :class:`Job` a route hands ``service.api.extraction``.
+
+An inline answer (``return: inline``) is sized here before the engine runs: every
+tensor of each object and its header (the request's metadata included, JSON-escaped as
+the writer escapes it), at the longest generation. The request is refused past
+``limits.max_inline_bytes``; otherwise each object gets a share of the limit, the
+shares summing to at most the limit, and the worker fails an object over its share.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -11,10 +19,36 @@ from service.api.codec_params import check_codec_params
 from service.api.errors import ApiError
 from service.api.loss import PromptSpans
 from service.api.state import ApiState
-from service.codecs import Codec
-from service.engine.wire import RequestParams, TokenSelection, is_pooled, selected_positions
+from service.codecs import CODEC_KEY, CODEC_VERSION, CODEC_VERSION_KEY, TOKENS_KEY, Codec
+from service.engine.objects import object_metadata
+from service.engine.wire import (
+    RequestParams,
+    TokenSelection,
+    is_pooled,
+    selected_positions,
+    selection_json,
+)
 from service.masks import LossMode
 from service.storage.expiry import MAX_TTL_S
+
+#: Header bytes besides the metadata: at most six tensor entries (name, dtype, shape,
+#: offsets: well under 160 bytes each), the 8-byte length and the padding to 8 bytes.
+_TENSOR_ENTRIES_BYTES = 1024
+#: int64 ``token_ids`` and ``positions``: bytes per entry.
+_INDEX_BYTES = 8
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """The most one prompt's object can hold (at its longest generation)."""
+
+    #: Entries of ``token_ids`` (and of ``loss_mask``, with a mask).
+    tokens: int
+    #: Rows of ``hidden_states``.
+    rows: int
+    #: Entries of ``positions`` (0: ``tokens: all`` stores none).
+    positions: int
+    masked: bool
 
 
 @dataclass(frozen=True)
@@ -93,30 +127,32 @@ class ExtractOptions:
         token_ids: Sequence[list[int]],
         spans: Sequence[PromptSpans],
         custom_ids: Sequence[str | None],
-    ) -> None:
+    ) -> tuple[int, ...] | None:
         """Once the prompts' lengths are known, before the engine runs: ApiError 422
         naming ``tokens`` (and the prompt's index) for a selection that keeps nothing,
         or naming ``return`` for an inline answer over its limit or under a
         ``custom_id`` (which finds a stored object again: an inline one never is).
 
+        Returns each object's share of the inline limit (what :class:`Job` takes), or
+        None for objects written to storage.
+
         A prompt stores its own tokens, plus up to ``max_tokens - 1`` generated ones
         with ``include_output_tokens``: both are checked against the longest sequence
         the prompt can store (the worker checks the real one again).
         """
-        rows = [
-            self._stored_rows(i, ids, s)
-            for i, (ids, s) in enumerate(zip(token_ids, spans, strict=True))
+        stored = [
+            self._stored(i, ids, s) for i, (ids, s) in enumerate(zip(token_ids, spans, strict=True))
         ]
         if self.inline_bytes is None:
-            return
+            return None
         if any(custom_id is not None for custom_id in custom_ids):
             message = "return: an inline answer is stored nowhere, so it takes no custom_id"
             raise ApiError(422, "invalid_request", message, field="return")
-        self._check_inline(state, rows)
+        return self._inline_shares(state, stored)
 
-    def _stored_rows(self, index: int, ids: Sequence[int], spans: PromptSpans) -> int:
-        """The most ``hidden_states`` rows prompt ``index`` can store; ApiError 422 naming
-        ``tokens`` when its selection keeps none."""
+    def _stored(self, index: int, ids: Sequence[int], spans: PromptSpans) -> _Stored:
+        """The most prompt ``index``'s object can hold; ApiError 422 naming ``tokens``
+        when its selection keeps no token."""
         num_prompt = len(ids)
         num_stored = num_prompt + (self.max_tokens - 1 if self.include_output_tokens else 0)
         stored_spans = None
@@ -127,35 +163,85 @@ class ExtractOptions:
             positions = selected_positions(self.tokens, num_prompt, num_stored, stored_spans)
         except ValueError as exc:
             raise ApiError(422, "invalid_request", str(exc), field="tokens", index=index) from None
+        masked = spans is not None
         if positions is None:
-            return num_stored
-        return 1 if is_pooled(self.tokens) else len(positions)
+            return _Stored(tokens=num_stored, rows=num_stored, positions=0, masked=masked)
+        rows = 1 if is_pooled(self.tokens) else len(positions)
+        return _Stored(tokens=num_stored, rows=rows, positions=len(positions), masked=masked)
 
-    def _check_inline(self, state: ApiState, rows: Sequence[int]) -> None:
-        """ApiError 422 naming ``return`` when the objects' states, ``rows`` of each
-        prompt in this codec, are over the inline limit (``lossless`` counted at its
-        uncompressed size: what it compresses to is known only once encoded)."""
-        import torch
-
-        extractor, limit = state.extractor, self.inline_bytes
+    def _inline_shares(self, state: ApiState, stored: Sequence[_Stored]) -> tuple[int, ...]:
+        """Each object's share of the inline limit, in proportion to its size (so each
+        share holds its object, and the shares sum to at most the limit); ApiError 422
+        naming ``return`` when the objects together are over the limit."""
+        limit = self.inline_bytes
         assert limit is not None
-        layers = len(extractor.layer_ids if self.layers is None else self.layers)
-        dtype = getattr(torch, extractor.dtype)
-        shape = (sum(rows), layers, extractor.info.hidden_size)
-        size = codecs.prepared_nbytes(self.codec, shape, dtype)
-        if size > limit:
+        header = self._header_bytes(state)
+        sizes = [self._object_bytes(state, s) + header for s in stored]
+        total = sum(sizes)
+        if total > limit:
+            rows, tokens = sum(s.rows for s in stored), sum(s.tokens for s in stored)
             message = (
-                f"return: inline states of {size} bytes ({shape[0]} token rows x {layers} "
-                f"layers x {shape[2]}) are over limits.max_inline_bytes ({limit}); ask for "
-                "return 'storage', fewer tokens (tokens) or layers, or a smaller codec"
+                f"return: {len(stored)} inline objects take up to {total} bytes ({rows} "
+                f"hidden-state rows, {tokens} token ids, and a {header}-byte header each, "
+                f"the metadata included), over limits.max_inline_bytes ({limit}); ask for "
+                "return 'storage', fewer or shorter prompts, fewer tokens (tokens) or "
+                "layers, less metadata, or a smaller codec"
             )
             raise ApiError(422, "invalid_request", message, field="return")
+        return tuple(limit * size // total for size in sizes)
+
+    def _object_bytes(self, state: ApiState, stored: _Stored) -> int:
+        """The most bytes one object's tensors take: ``hidden_states`` in this codec
+        (``lossless`` at its uncompressed size plus zstd's worst-case growth: what it
+        compresses to is known only once encoded), int64 ``token_ids`` and
+        ``positions``, uint8 ``loss_mask``."""
+        import torch
+
+        extractor = state.extractor
+        layers = len(extractor.layer_ids if self.layers is None else self.layers)
+        shape = (stored.rows, layers, extractor.info.hidden_size)
+        states = codecs.prepared_nbytes(self.codec, shape, getattr(torch, extractor.dtype))
+        if self.codec == "lossless":  # ZSTD_compressBound: input + input/256 + a frame
+            states += states // 256 + 1024
+        indices = _INDEX_BYTES * (stored.tokens + stored.positions)
+        return states + indices + (stored.tokens if stored.masked else 0)
+
+    def _header_bytes(self, state: ApiState) -> int:
+        """The most bytes of one object's safetensors header: its ``__metadata__`` as
+        the writer makes it (the scheduler's keys and ``codecs.safetensors_parts``'s
+        JSON, where a control character in a caller's value takes 6 bytes) and the
+        tensor entries."""
+        extractor = state.extractor
+        layer_ids = extractor.layer_ids if self.layers is None else self.layers
+        provenance = extractor.provenance.metadata(self.codec, extractor.dtype)
+        meta = object_metadata(
+            extractor.info.name, layer_ids, extractor.dtype, self.metadata, provenance
+        )
+        meta |= {
+            CODEC_KEY: self.codec,
+            CODEC_VERSION_KEY: CODEC_VERSION,
+            TOKENS_KEY: selection_json(self.tokens),
+        }
+        text = json.dumps({"__metadata__": meta}, separators=(",", ":"), ensure_ascii=False)
+        return len(text.encode()) + _TENSOR_ENTRIES_BYTES
 
     def params(
-        self, key: str, spans: PromptSpans, metadata: Mapping[str, str] | None = None
+        self,
+        key: str,
+        spans: PromptSpans,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        inline_bytes: int | None = None,
     ) -> RequestParams:
         """One prompt's engine parameters: these options under ``key`` with its loss
-        ``spans``; ``metadata`` replaces the request's (``service.api.idempotency``)."""
+        ``spans``; ``metadata`` replaces the request's (``service.api.idempotency``).
+
+        ``inline_bytes``: the object's share of the inline limit (``check_prompts``),
+        required for an inline request (ValueError otherwise): the whole limit would
+        let every object take it.
+        """
+        if (inline_bytes is None) != (self.inline_bytes is None):
+            raise ValueError("an inline object needs its share of the limit, and only it")
         return RequestParams(
             key=key,
             include_output_tokens=self.include_output_tokens,
@@ -165,7 +251,7 @@ class ExtractOptions:
             layers=self.layers,
             tokens=self.tokens,
             ttl_s=self.ttl_s,
-            inline_bytes=self.inline_bytes,
+            inline_bytes=inline_bytes,
         )
 
 
@@ -182,3 +268,16 @@ class Job:
     options: ExtractOptions
     #: When the request is given up (``time.monotonic``; ``prompts.request_deadline``).
     deadline: float
+    #: ``return: inline``: each object's share of the limit (``check_prompts``' answer);
+    #: None: written to storage.
+    inline_shares: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.inline_shares is None) != (self.options.inline_bytes is None):
+            raise ValueError("an inline job needs each object's share (check_prompts)")
+
+    def params(self, index: int, key: str) -> RequestParams:
+        """Prompt ``index``'s engine parameters, its object under ``key``."""
+        shares = self.inline_shares
+        inline_bytes = None if shares is None else shares[index]
+        return self.options.params(key, self.spans[index], inline_bytes=inline_bytes)

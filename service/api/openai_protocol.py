@@ -9,8 +9,9 @@ that a 422 of ``/extract`` is the 400 a vLLM client expects.
 from __future__ import annotations
 
 import base64
+import difflib
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import unquote, urlparse
@@ -31,11 +32,11 @@ from service.api.prompts import (
     check_text_sizes,
     rendered_bytes,
 )
-from service.api.schemas import MAX_CUSTOM_ID, MetadataKey, MetadataValue
+from service.api.schemas import MAX_CUSTOM_ID, MetadataKey, MetadataValue, TokenSelectionField
 from service.codecs import Codec
 from service.engine.objects import reserved_keys
-from service.engine.wire import TokenSelection
 from service.masks import LossMode
+from service.storage.expiry import MAX_TTL_S
 
 if TYPE_CHECKING:
     from service.api.state import ApiState
@@ -218,7 +219,11 @@ CustomId = Annotated[str, Field(min_length=1, max_length=MAX_CUSTOM_ID)]
 
 class HsxExtras(BaseModel):
     """hsx's fields in a request's extra body (``extra_body`` of OpenAI's clients),
-    typed as on ``/extract``; whether the server offers them is checked after."""
+    typed as on ``/extract``; whether the server offers them is checked after.
+
+    They sit beside whatever else a client sends: unknown fields are ignored (vLLM's
+    models log them), except a near miss of one of these names (:func:`hsx_extras`).
+    """
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -230,8 +235,10 @@ class HsxExtras(BaseModel):
     custom_id: CustomId | list[CustomId] | None = None
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=64)
     include_output_tokens: bool = False
-    tokens: TokenSelection = "all"
+    tokens: TokenSelectionField = "all"
     return_: Literal["storage", "inline"] = Field("storage", alias="return")
+    # As on /extract: the server's default (storage.default_ttl_s) when unset.
+    ttl_s: int | None = Field(None, ge=1, le=MAX_TTL_S)
 
     def custom_ids(self, prompts: int) -> list[str | None]:
         """Each prompt's ``custom_id`` (None without one); 400 naming ``custom_id``
@@ -246,20 +253,52 @@ class HsxExtras(BaseModel):
         return list(ids)
 
 
+#: hsx's field names as a client sends them.
+HSX_FIELDS = frozenset(f.alias or name for name, f in HsxExtras.model_fields.items())
+#: How alike (difflib's ratio) an unknown field's name must be to one of hsx's to be
+#: taken for it misspelled: ``tokns`` is 0.91 from ``tokens``, ``ttl`` 0.75 from ``ttl_s``.
+NEAR_MISS = 0.75
+
+
 def hsx_extras(body: Any) -> HsxExtras:
-    """hsx's extra fields a client sent; 400 naming the field if mistyped."""
+    """hsx's extra fields a client sent; 400 naming the field if mistyped, if its name
+    is a near miss of one of hsx's, or if it was put in ``vllm_xargs``."""
+    extra = body.model_extra or {}
+    _refuse_near_misses(extra, frozenset(type(body).model_fields))
+    _refuse_xargs(_value(body, "vllm_xargs"))
     try:
-        extras = HsxExtras.model_validate(body.model_extra or {})
-        reserved = reserved_keys(extras.metadata)
-        if reserved:
-            raise OpenAIError(400, f"metadata: keys {reserved} are reserved", param="metadata")
-        return extras
+        extras = HsxExtras.model_validate(extra)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = first["loc"]
-        param = str(loc[0]) + "".join(f"[{p}]" for p in loc[1:] if isinstance(p, int))
-        message = f"{param}: {first['msg']}"
-        raise OpenAIError(400, message, param=param) from None
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        raise OpenAIError(400, f"{param}: {first['msg']}", param=param) from None
+    reserved = reserved_keys(extras.metadata)
+    if reserved:
+        raise OpenAIError(400, f"metadata: keys {reserved} are reserved", param="metadata")
+    return extras
+
+
+def _refuse_near_misses(extra: Mapping[str, Any], vllm_fields: frozenset[str]) -> None:
+    """400 naming an unknown field whose name is nearer one of hsx's than any of vLLM's:
+    ignored, as vLLM ignores unknown fields, ``tokns`` would store every token."""
+    for name in extra:
+        if name in HSX_FIELDS:
+            continue
+        nearest = difflib.get_close_matches(name, HSX_FIELDS | vllm_fields, n=1, cutoff=NEAR_MISS)
+        if nearest and nearest[0] in HSX_FIELDS:
+            message = f"{name}: unknown field; did you mean {nearest[0]!r}?"
+            raise OpenAIError(400, message, param=name)
+
+
+def _refuse_xargs(xargs: Any) -> None:
+    """400 naming an hsx field sent in ``vllm_xargs``: hsx reads its fields from the
+    body's top level, and passes no ``vllm_xargs`` on."""
+    for name in xargs if isinstance(xargs, dict) else ():
+        if name in HSX_FIELDS:
+            param = f"vllm_xargs.{name}"
+            message = f"{param}: hsx's fields go at the top level of the body (extra_body)"
+            raise OpenAIError(400, message, param=param)
 
 
 #: What a chat template gets besides the messages (vLLM's chat parameters pass them on).
@@ -283,15 +322,6 @@ def prompt_texts(raw: dict[str, Any]) -> list[TextSize]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return [TextSize(f"prompt[{i}]", rendered_bytes(p) + suffix) for i, p in enumerate(prompt)]
     return []  # token ids: their count is checked, not their text
-
-
-def as_mapping(message: Any) -> dict[str, Any]:
-    """A chat message as a plain dict: vLLM's request model admits TypedDicts and
-    pydantic messages (``openai_harmony``'s among them)."""
-    if isinstance(message, dict):
-        return message
-    dump = getattr(message, "model_dump", None)
-    return dict(dump()) if callable(dump) else {}
 
 
 def bounded(
@@ -399,6 +429,13 @@ def transfer_params(extraction: Any) -> dict[str, Any]:
         del params["hidden_states_path"]
         params.update(extraction.transfer.model_dump())
     return params
+
+
+def top_level_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The answer's top-level ``kv_transfer_params``: the first object's (vLLM's place
+    for them), without an inline object's ``data``, which its choice carries already:
+    the answer holds each object's bytes once."""
+    return {name: value for name, value in params.items() if name != "data"}
 
 
 def finish_reason(extraction: Any, max_tokens: int) -> str:

@@ -6,9 +6,19 @@ light client parses answers with them) and are re-exported from here.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from service.client.models import (
     ErrorBody,
@@ -25,7 +35,7 @@ from service.client.models import (
 )
 from service.codecs import Codec
 from service.engine.objects import reserved_keys
-from service.engine.wire import TokenSelection
+from service.engine.wire import TokenSelection, TokenWindow
 from service.masks import LossMode
 from service.storage.expiry import MAX_TTL_S
 
@@ -33,6 +43,28 @@ MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 MetadataValue = Annotated[str, StringConstraints(max_length=4096)]
 #: Longest ``custom_id``; it is hashed into the key, never used as one.
 MAX_CUSTOM_ID = 256
+
+
+def _window_or_choice(value: Any, choice: ValidatorFunctionWrapHandler) -> Any:
+    """An object is a window, validated as one: its errors name the window's field
+    (``tokens.start``) instead of every union branch's (the named choices first, under
+    a branch's name). Anything else must be one of the named choices."""
+    if isinstance(value, dict):
+        return TokenWindow.model_validate(value)
+    try:
+        return choice(value)
+    except ValidationError:
+        raise PydanticCustomError("token_selection", _SELECTION_CHOICES) from None
+
+
+_SELECTION_CHOICES = (
+    "Input should be 'all', 'last', 'mean', 'mean_loss' or a window object with "
+    "integer start and end"
+)
+
+
+#: ``tokens`` of a request: a named selection, or an object that is a window.
+TokenSelectionField = Annotated[TokenSelection, WrapValidator(_window_or_choice)]
 
 
 class Message(BaseModel):
@@ -138,7 +170,7 @@ class ExtractRequest(BaseModel):
         "and the store removes them. Default: the server's `storage.default_ttl_s` "
         "(unset: never expire).",
     )
-    tokens: TokenSelection = Field(
+    tokens: TokenSelectionField = Field(
         "all",
         description="Which token positions each object keeps: `all`; `last` (the last "
         "stored token); `mean` (one row, the mean over the prompt's tokens); `mean_loss` "
@@ -151,7 +183,8 @@ class ExtractRequest(BaseModel):
         alias="return",
         description="`storage`: write each object and answer its key and uri. `inline`: "
         "answer each object's bytes (base64 safetensors, `objects[].data`) and write "
-        "nothing; refused (422) past `limits.max_inline_bytes` for the whole request.",
+        "nothing; refused (422) when the objects (every tensor, and the header with the "
+        "`metadata` in each) can take more than `limits.max_inline_bytes` together.",
     )
 
     @model_validator(mode="after")
@@ -189,6 +222,7 @@ __all__ = [
     "PromptOutcome",
     "Status",
     "StoredObject",
+    "TokenSelectionField",
     "Usage",
     "Version",
 ]

@@ -211,14 +211,15 @@ class _Encoded:
     def inline(self, key: str, limit: int, write_s: float) -> StoredObject:
         """The object answered inline: its bytes, written nowhere (``uri`` empty).
 
-        Raises InvalidPromptError (``invalid_request``) past ``limit`` bytes: the API
-        refuses the requests it can size beforehand, this catches the rest (the header,
-        a generation shorter than its bound).
+        Raises InvalidPromptError (``invalid_request``) past ``limit`` bytes, the
+        object's share of the request's limit: the API sizes each object beforehand at
+        its longest and refuses a request over the limit, this holds the shares to it
+        whatever the API's estimate missed.
         """
         if self.nbytes > limit:
             raise InvalidPromptError(
-                f"return: the inline object is {self.nbytes} bytes, over the "
-                f"{limit} of limits.max_inline_bytes; ask for return 'storage', fewer "
+                f"return: the inline object is {self.nbytes} bytes, over its {limit}-byte "
+                "share of limits.max_inline_bytes; ask for return 'storage', fewer "
                 "tokens (tokens) or layers, or a smaller codec"
             )
         data = b"".join(self.parts)

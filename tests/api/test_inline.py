@@ -2,16 +2,19 @@
 nothing is written to storage.
 
 On the engine (the dense model of tests/api): inline objects equal the stored objects
-of the same prompts, the storage root is unchanged, the OpenAI routes carry the object
-in ``kv_transfer_params``, the client decodes it, and an answer over
-``limits.max_inline_bytes`` is refused before the engine runs. On the fake: the other
-refusals.
+of the same prompts, the storage root is unchanged, the OpenAI routes carry each object
+once in ``kv_transfer_params``, the client decodes it, an answer over
+``limits.max_inline_bytes`` is refused before the engine runs, and what is answered
+stays within the limit whatever the metadata (issue 58). On the fake: the other
+refusals, among them the red team's shapes whose states fit but whose token ids,
+positions, masks or headers do not.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,14 @@ import torch
 from service import codecs
 from tests.api.conftest import AUTH_A, KEY_A, ServerThread
 from tests.engine.conftest import engine_requests, random_prompts
+
+MIB = 1 << 20
+#: A metadata value whose every character JSON-escapes to 6 bytes (``\u0001``), in
+#: the request and in each object's header alike.
+ESCAPED = "\x01" * 4096
+#: An /extract answer's bytes besides its objects' base64: ids, shapes, statistics.
+ANSWER_OVERHEAD = 16384
+JSON = {**AUTH_A, "Content-Type": "application/json"}
 
 
 def _files(root: Path) -> set[str]:
@@ -93,23 +104,38 @@ def test_the_client_decodes_an_inline_object(local_url: str) -> None:
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_openai_inline_answers_carry_the_object(
+def test_openai_inline_answers_carry_each_object_once(
     client: httpx.Client, local_engine: ServerThread
 ) -> None:
     root: Path = local_engine.root  # type: ignore[attr-defined]
     model = client.get("/v1/models", headers=AUTH_A).json()["data"][0]["id"]
-    prompt = random_prompts([10], seed=73)[0]
+    prompts = random_prompts([10, 6], seed=73)
     before = _files(root)
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "return": "inline"}
-    body |= {"tokens": "last"}
-    response = client.post("/v1/completions", json=body, headers=AUTH_A)
-    assert response.status_code == 200, response.text
+    body = {"model": model, "prompt": prompts, "max_tokens": 1, "return": "inline"}
+    completion = _openai(client, "/v1/completions", {**body, "tokens": "last"})
+    chat_body = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
+    chat = _openai(client, "/v1/chat/completions", {**chat_body, "return": "inline"})
     assert _files(root) == before
-    params = response.json()["kv_transfer_params"]
-    tensors, meta = codecs.decode(base64.b64decode(params["data"]))
-    assert list(tensors["hidden_states"].shape) == params["shape"]
-    assert params["shape"][0] == 1
-    assert meta[codecs.TOKENS_KEY] == '"last"'
+    for answer, ids in ((completion, prompts), (chat, None)):
+        answer_text, choices = answer.text, answer.json()["choices"]
+        params = [c["kv_transfer_params"] for c in choices]
+        for i, param in enumerate(params):
+            assert answer_text.count(param["data"]) == 1  # once: in its choice
+            tensors, meta = codecs.decode(base64.b64decode(param["data"]))
+            assert list(tensors["hidden_states"].shape) == param["shape"]
+            if ids is not None:
+                assert tensors["token_ids"].tolist() == ids[i]
+                assert param["shape"][0] == 1
+                assert meta[codecs.TOKENS_KEY] == '"last"'
+        # The top level names the first object, as vLLM's does, without its bytes.
+        first = {k: v for k, v in params[0].items() if k != "data"}
+        assert answer.json()["kv_transfer_params"] == first
+
+
+def _openai(client: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+    response = client.post(path, json=body, headers=AUTH_A)
+    assert response.status_code == 200, response.text
+    return response
 
 
 @pytest.mark.engine
@@ -117,10 +143,11 @@ def test_openai_inline_answers_carry_the_object(
 def test_an_oversize_inline_request_is_refused_before_the_engine(
     local_engine: ServerThread,
 ) -> None:
-    url = local_engine.serve(max_inline_bytes=4096)
+    limit = 8192
+    url = local_engine.serve(max_inline_bytes=limit)
     extractor = local_engine.extractor
     row = len(extractor.layer_ids) * extractor.info.hidden_size * 4  # float32
-    tokens = 4096 // row + 1  # one token row more than fits
+    tokens = limit // row + 1  # one token row more than fits
     with httpx.Client(base_url=url, timeout=120) as client:
         submitted = engine_requests()
         body = {"prompts": [{"token_ids": [5] * tokens}], "return": "inline"}
@@ -133,11 +160,64 @@ def test_an_oversize_inline_request_is_refused_before_the_engine(
         # The same prompt's last token fits.
         (obj,) = _extract(client, {**body, "tokens": "last"})
         assert obj["shape"][0] == 1
+        assert obj["bytes"] <= limit
         assert engine_requests() > submitted
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_a_metadata_heavy_inline_answer_stays_within_the_limit(
+    local_engine: ServerThread,
+) -> None:
+    # The red team's "meta" shape: a ~1 MB body whose metadata each object's header
+    # repeats (issue 58, M1: 8 objects of ~1 MB each were answered under a 1 MiB limit).
+    url = local_engine.serve(max_inline_bytes=MIB, max_body_bytes=2 * MIB)
+    metadata = {f"k{i:02d}": ESCAPED for i in range(40)}
+    prompts = [{"token_ids": p} for p in random_prompts([16] * 8, seed=74)]
+    body = {"prompts": prompts, "metadata": metadata, "tokens": "last", "return": "inline"}
+    content = json.dumps(body).encode()
+    assert 0.9 * MIB < len(content) < 1.1 * MIB
+    with httpx.Client(base_url=url, headers=AUTH_A, timeout=120) as client:
+        submitted = engine_requests()
+        refused = client.post("/extract", content=content, headers=JSON)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["field"] == "return"
+        assert engine_requests() == submitted
+        # One such object fits: answered, base64 and all, within the limit's share.
+        answer = client.post("/extract", json={**body, "prompts": prompts[:1]})
+    assert answer.status_code == 200, answer.text
+    assert len(answer.content) <= MIB * 4 // 3 + ANSWER_OVERHEAD
+    (obj,) = answer.json()["objects"]
+    data = base64.b64decode(obj["data"])
+    assert MIB * 0.9 < len(data) <= MIB
+    assert codecs.decode(data)[1]["k39"] == ESCAPED
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_objects_of_different_sizes_each_get_their_share_of_the_limit(
+    client: httpx.Client, local_engine: ServerThread
+) -> None:
+    # The limit holds the stored objects plus a header's slack each: an even split of
+    # it would fail the long prompt, a split by size answers all three.
+    body = {"prompts": [{"token_ids": p} for p in random_prompts([60, 4, 4], seed=75)]}
+    sizes = [o["bytes"] for o in _extract(client, body)]
+    limit = sum(sizes) + 3 * 1536
+    assert sizes[0] > limit // 3
+    url = local_engine.serve(max_inline_bytes=limit)
+    with httpx.Client(base_url=url, timeout=120) as inline_client:
+        objects = _extract(inline_client, {**body, "return": "inline"})
+    assert [len(base64.b64decode(o["data"])) for o in objects] == sizes
 
 
 # Refused before the engine, on the fake (float32, 3 layers of 8: 96 bytes a token row).
 FAKE_LIMIT = 16384
+
+
+def _ids(n: int) -> dict[str, list[int]]:
+    return {"token_ids": [5] * n}
+
+
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("odd-value", {"return": "both"}, "return"),
     ("wrong-type", {"return": True}, "return"),
@@ -159,6 +239,35 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
             "prompts": [{"token_ids": [5] * 150}],
             "max_tokens": 64,
             "include_output_tokens": True,
+        },
+        "return",
+    ),
+    # The red team's "inline_max" shapes: states that fit just under the limit, and
+    # token ids, positions or a loss mask that do not (issue 58, M1).
+    ("states-fit-token-ids-do-not", {"return": "inline", "prompts": [_ids(170)]}, "return"),
+    (
+        "last-rows-fit-token-ids-do-not",
+        {"return": "inline", "tokens": "last", "prompts": [_ids(300)] * 4},
+        "return",
+    ),
+    (
+        "window-fits-positions-and-mask-do-not",
+        {
+            "return": "inline",
+            "tokens": {"start": 0, "end": 150},
+            "loss": "all",
+            "prompts": [_ids(150)],
+        },
+        "return",
+    ),
+    # Its "meta" shape, scaled to the fake's limit: each header repeats the metadata.
+    (
+        "metadata-in-every-header",
+        {
+            "return": "inline",
+            "tokens": "last",
+            "prompts": [_ids(3)] * 4,
+            "metadata": {f"k{i}": ESCAPED[:300] for i in range(8)},
         },
         "return",
     ),
@@ -187,7 +296,8 @@ async def test_bad_inline_requests_are_422_before_the_engine(
 
 
 async def test_an_inline_request_that_fits_is_let_through(tmp_path: Path, fake: Any) -> None:
-    body = {"prompts": [{"token_ids": [5] * 170}], "return": "inline"}  # 16320 bytes
+    # 11520 bytes of states, 960 of token ids and a header of about 2 kB.
+    body = {"prompts": [_ids(120)], "return": "inline"}
     response = await _post_to_fake(tmp_path, fake, "/extract", body)
     assert fake.submitted == 1, response.text
 

@@ -124,6 +124,17 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
      "prompt"),
     ("tokenize past max_model_len", "/tokenize", {"prompt": "\u00e9" * 600}, 400, "prompt"),
     ("detokenize past max_model_len", "/detokenize", {"tokens": [5] * 513}, 400, "tokens"),
+    # hsx's own fields are strict (issue 58, L4): a near miss of their names, a bad
+    # ttl_s, one put in vllm_xargs; a mistyped window names its field (L7).
+    ("misspelled tokens", CMPL, {"prompt": IDS, "tokns": "last"}, 400, "tokns"),
+    ("misspelled return", CHAT_URL, {"messages": CHAT, "retrun": "inline"}, 400, "retrun"),
+    ("misspelled ttl_s", CMPL, {"prompt": IDS, "ttl": 60}, 400, "ttl"),
+    ("ttl_s zero", CMPL, {"prompt": IDS, "ttl_s": 0}, 400, "ttl_s"),
+    ("ttl_s a string", CHAT_URL, {"messages": CHAT, "ttl_s": "60"}, 400, "ttl_s"),
+    ("hsx field in vllm_xargs", CMPL, {"prompt": IDS, "vllm_xargs": {"tokens": "last"}}, 400,
+     "vllm_xargs.tokens"),
+    ("window index a float", CMPL, {"prompt": IDS, "tokens": {"start": 0.0, "end": 2}}, 400,
+     "tokens.start"),
 ]  # fmt: skip
 
 

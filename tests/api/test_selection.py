@@ -130,6 +130,7 @@ def test_selection_statistics_are_of_the_stored_rows(client: httpx.Client) -> No
 
 
 # Refused before the engine (the fake's: prompt of 3 tokens, max_tokens up to 64).
+NOT_INT = "Input should be a valid integer"
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("empty-window", {"tokens": {"start": 2, "end": 2}}, "is empty"),
     ("reversed-window", {"tokens": {"start": 2, "end": 1}}, "is empty or outside"),
@@ -141,15 +142,16 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         "outside the 5 stored",
     ),
     ("mean-loss-without-loss", {"tokens": "mean_loss"}, "set loss"),
-    ("wrong-type", {"tokens": 3}, ""),
-    ("odd-value", {"tokens": "first"}, ""),
-    ("string-index", {"tokens": {"start": "0", "end": 2}}, ""),
-    ("bool-index", {"tokens": {"start": True, "end": 2}}, ""),
-    ("float-index", {"tokens": {"start": 0.0, "end": 2}}, ""),
-    ("huge-int", {"tokens": {"start": 0, "end": 10**30}}, ""),
-    ("missing-end", {"tokens": {"start": 0}}, ""),
-    ("extra-key", {"tokens": {"start": 0, "end": 1, "step": 2}}, ""),
-]
+    ("wrong-type", {"tokens": 3}, "or a window object"),
+    ("odd-value", {"tokens": "first"}, "or a window object"),
+    # A window's own errors name its field (issue 58, L7), never the named choices.
+    ("string-index", {"tokens": {"start": "0", "end": 2}}, f"tokens.start: {NOT_INT}"),
+    ("bool-index", {"tokens": {"start": True, "end": 2}}, f"tokens.start: {NOT_INT}"),
+    ("float-index", {"tokens": {"start": 0.0, "end": 2}}, f"tokens.start: {NOT_INT}"),
+    ("huge-int", {"tokens": {"start": 0, "end": 10**30}}, "tokens.end: Input should be less"),
+    ("missing-end", {"tokens": {"start": 0}}, "tokens.end: Field required"),
+    ("extra-key", {"tokens": {"start": 0, "end": 1, "step": 2}}, "tokens.step: Extra inputs"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("extra", "text"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
@@ -162,9 +164,32 @@ def test_bad_selections_are_422_naming_tokens_before_the_engine(
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request"
+    assert error["message"].startswith(f"{error['field']}: "), error
     assert error["field"].startswith("tokens"), error
     assert text in error["message"]
     assert fake_served.engine_requests() == submitted
+
+
+def test_a_mistyped_window_is_422_naming_its_field(
+    fake_client: httpx.Client, fake_served: Served
+) -> None:
+    body = {"prompts": [{"token_ids": [5, 6, 7]}], "tokens": {"start": 0.0, "end": 2}}
+    response = fake_client.post("/extract", json=body, headers=AUTH_A)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"] == {
+        "type": "invalid_request",
+        "message": "tokens.start: Input should be a valid integer",
+        "field": "tokens.start",
+    }
+    window = {"start": 0, "end": 2.5}
+    completion = {"model": fake_served.name, "prompt": [5, 6, 7], "tokens": window}
+    response = fake_client.post("/v1/completions", json=completion, headers=AUTH_A)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["message"]) == (
+        "tokens.end",
+        "tokens.end: Input should be a valid integer",
+    )
 
 
 def test_a_text_prompt_is_checked_once_tokenised(

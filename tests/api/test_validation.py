@@ -51,6 +51,14 @@ CASES: list[tuple[str, Any, int, str, int | None]] = [
     ("too many tokens", {"prompts": [{"token_ids": [1] * 500}] * 3}, 422, "prompts", 2),
     ("metadata not strings", {"prompts": ["a"], "metadata": {"k": 1}}, 422, "metadata.k", None),
     ("reserved metadata", {"prompts": ["a"], "metadata": {"model": "x"}}, 422, "", None),
+    # A window's error names the window's field, not the named choices (issue 58, L7).
+    (
+        "window index a float",
+        {"prompts": ["a"], "tokens": {"start": 0.0, "end": 2}},
+        422,
+        "tokens.start",
+        None,
+    ),
     (
         "include_output_tokens type",
         {"prompts": ["a"], "include_output_tokens": "yes"},

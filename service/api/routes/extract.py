@@ -88,8 +88,9 @@ async def _job(state: ApiState, body: ExtractRequest, namespace: str, deadline: 
     token_ids = await _token_ids(state, body, deadline)
     spans = await _loss_spans(state, body, token_ids, deadline)
     custom_ids = [getattr(prompt, "custom_id", None) for prompt in body.prompts]
-    options.check_prompts(state, token_ids, spans, custom_ids)  # lengths known, no engine yet
-    return Job(namespace, token_ids, spans, custom_ids, options, deadline)
+    # Lengths known, no engine yet: the selections, and an inline answer's size.
+    shares = options.check_prompts(state, token_ids, spans, custom_ids)
+    return Job(namespace, token_ids, spans, custom_ids, options, deadline, shares)
 
 
 async def _token_ids(state: ApiState, body: ExtractRequest, deadline: float) -> list[list[int]]:

@@ -5,12 +5,14 @@ Requests parse with vLLM's protocol models and render with vLLM's renderer
 (limits, admission, deadline, disconnect, metrics), so an answer leaves only once
 every object is durable. Each choice carries ``kv_transfer_params`` naming its object
 (``hidden_states_path``, ``handle``), as vLLM's ``extract_hidden_states`` connector
-reports them, plus its ``codec``; the top level carries the first prompt's. hsx's own
+reports them, plus its ``codec``; the top level carries the first prompt's, without an
+inline object's ``data`` (each object's bytes travel once, in its choice). hsx's own
 fields travel in the extra body (``extra_body`` of OpenAI's clients): ``codec``,
-``layers`` and ``loss``, typed and checked as on ``/extract`` before anything is
-rendered; a chat request's mask is derived from its messages and tools and checked
-against vLLM's render (``service.api.loss.chat_spans``), and each choice's
-``kv_transfer_params`` carry ``num_loss_tokens``.
+``layers``, ``loss``, ``ttl_s`` and the rest of ``HsxExtras``, typed and checked as on
+``/extract`` before anything is rendered (a near miss of their names is refused); a
+chat request's mask is derived from its messages and tools and checked against vLLM's
+render (``service.api.loss.chat_spans``), and each choice's ``kv_transfer_params``
+carry ``num_loss_tokens``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from service.api.openai_protocol import (
     hsx_extras,
     refuse_unsupported,
     requested_max_tokens,
+    top_level_params,
     transfer_params,
 )
 from service.api.outcomes import successes
@@ -111,8 +114,8 @@ async def completions(
     prompts = await (_vllm(render()) if _token_ids_only(body) else _render(request, state, render))
     spans: list[PromptSpans] = [((0, len(p)),) if extras.loss == "all" else None for p in prompts]
     custom_ids = extras.custom_ids(len(prompts))
-    _check_prompts(state, options, prompts, spans, custom_ids, field)
-    job = Job(namespace, prompts, spans, custom_ids, options, _deadline(request, state))
+    shares = _check_prompts(state, options, prompts, spans, custom_ids, field)
+    job = Job(namespace, prompts, spans, custom_ids, options, _deadline(request, state), shares)
     outcomes = await _extract(request, state, job, field)
     return JSONResponse(_completion(state, body, prompts, outcomes, options).model_dump())
 
@@ -127,9 +130,9 @@ async def chat_completions(
     prompt = await _render(request, state, partial(vllm.chat_token_ids, body))
     spans = [await _chat_spans(request, state, body, extras.loss, prompt)]
     custom_ids = extras.custom_ids(1)
-    _check_prompts(state, options, [prompt], spans, custom_ids, "messages")
+    shares = _check_prompts(state, options, [prompt], spans, custom_ids, "messages")
     deadline = _deadline(request, state)
-    job = Job(namespace, [prompt], spans, custom_ids, options, deadline)
+    job = Job(namespace, [prompt], spans, custom_ids, options, deadline, shares)
     (outcome,) = await _extract(request, state, job, "messages")
     return JSONResponse(_chat(state, body, prompt, outcome, options).model_dump())
 
@@ -202,6 +205,7 @@ async def _checked(
             codec=extras.codec,
             layers=extras.layers,
             tokens=extras.tokens,
+            ttl_s=extras.ttl_s,
             inline=extras.return_ == "inline",
         )
         check_request_limits(prompts, max_tokens, state.settings.limits)
@@ -221,12 +225,13 @@ def _check_prompts(
     spans: list[PromptSpans],
     custom_ids: list[str | None],
     prompt_field: str,
-) -> None:
+) -> tuple[int, ...] | None:
     """The token selection and an inline answer's size against the rendered prompts,
     before the engine runs (``ExtractOptions.check_prompts``): a 400 naming ``tokens``
-    or ``return``, vLLM's dialect of ``/extract``'s 422."""
+    or ``return``, vLLM's dialect of ``/extract``'s 422. Returns each inline object's
+    share of the limit (None: stored)."""
     try:
-        options.check_prompts(state, prompts, spans, custom_ids)
+        return options.check_prompts(state, prompts, spans, custom_ids)
     except ApiError as error:
         state.metrics.rejected(error.detail.type)
         raise OpenAIError.from_api_error(error, prompt_field) from None
@@ -340,7 +345,7 @@ def _completion(
         model=_model(state, body.model),
         choices=choices,
         usage=_usage(outcomes),
-        kv_transfer_params=params[0],
+        kv_transfer_params=top_level_params(params[0]),
     )
 
 
@@ -363,7 +368,7 @@ def _chat(
         choices=[choice],
         usage=_usage([outcome]),
         prompt_token_ids=prompt if ids else None,
-        kv_transfer_params=params,
+        kv_transfer_params=top_level_params(params),
     )
 
 
