@@ -6,7 +6,7 @@ EXTRAS ?= cpu,s3,dev,demo
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 
-.PHONY: install test test-fast lint fmt bench serve clean helm prometheus rdma-libs
+.PHONY: install test test-fast lint fmt bench bench-smoke serve clean helm prometheus rdma-libs
 
 install: $(STAMP)
 
@@ -57,14 +57,15 @@ rdma-libs:
 	then echo "mooncake: libibverbs1 and librdmacm1 installed"; \
 	else echo "mooncake: libibverbs1/librdmacm1 not installed (needs apt and root); the Mooncake tests will skip"; fi
 
+# experiments/ is linted like the rest (pyproject.toml says why mypy leaves it out).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check service tests benchmarks
-	$(VENV)/bin/ruff format --check service tests benchmarks
+	$(VENV)/bin/ruff check service tests benchmarks experiments
+	$(VENV)/bin/ruff format --check service tests benchmarks experiments
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format service tests benchmarks
-	$(VENV)/bin/ruff check --fix service tests benchmarks
+	$(VENV)/bin/ruff format service tests benchmarks experiments
+	$(VENV)/bin/ruff check --fix service tests benchmarks experiments
 
 # The whole suite, the engine tests included, on TEST_WORKERS pytest-xdist workers
 # (tests sharing an engine stay on one worker: tests/support/schedule.py). The slowest
@@ -76,14 +77,22 @@ TEST_WORKERS ?= 2
 # passive wait, for work one engine alone does in 8.5 s (docs/cpu.md). The suite's
 # processes alone get it: `make serve` runs with OpenMP's default.
 SUITE_ENV := OMP_WAIT_POLICY=PASSIVE
+# The benches' quick runs (marker bench_smoke) check the benches' rows, not hsx: they
+# run in `make bench-smoke`, not here.
 test: lint
-	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not bench_smoke" --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no vLLM engine, on the same workers.
 test-fast: $(STAMP)
-	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine" -q $(PYTEST_ARGS)
+	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine and not bench_smoke" -q $(PYTEST_ARGS)
 
-bench: $(STAMP)
+# Every bench of `make bench` in its quick mode, its rows checked for form (about 5
+# minutes of worker time, half of it the drafter bench's): a broken bench fails here,
+# not an hour into the real run. benchmarks/README.md lists the benches.
+bench-smoke: $(STAMP)
+	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m bench_smoke -q $(PYTEST_ARGS) tests/e2e/test_bench_smoke.py tests/bench
+
+bench: bench-smoke
 	$(PY) -m benchmarks.run
 
 serve: $(STAMP)

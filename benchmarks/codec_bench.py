@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, table_line, timed
+from benchmarks.common import Row, Timer
 from service import codecs
 from service.config import Settings
 
@@ -270,13 +270,3 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     model = make_bench_model(scratch / "codec-model")
     rows = await _run_dtype(scratch, model, "bfloat16", timer, plan)
     return rows + await _run_dtype(scratch, model, "float32", timer, plan)
-
-
-if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="hsx-codec-bench-") as tmp:
-        rows = asyncio.run(run(Path(tmp), timed, quick="--quick" in sys.argv))
-        for row in rows:
-            print(table_line(row))

@@ -335,15 +335,3 @@ async def interleaved(
         for i, (side, times) in enumerate(pair if round_ % 2 == 0 else pair[::-1]):
             times.append(await side(1000 * round_ + i))
     return statistics.median(a), statistics.median(b)
-
-
-def print_rows(run: Callable[..., Awaitable[list[Row]]], quick: bool, prefix: str) -> list[Row]:
-    """A bench's ``run(scratch, timed, quick=...)`` in a scratch directory of its own
-    (``prefix``), each row printed as a table line: what every bench's CLI does."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
-        rows = asyncio.run(run(Path(scratch), timed, quick=quick))
-    for row in rows:
-        print(table_line(row))
-    return rows

@@ -9,16 +9,13 @@ device those rows say so; the pool's own cost is measured on the CPU either way.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import torch
 
-from benchmarks.common import Row, Timer, ms, table_line, timed
+from benchmarks.common import Row, Timer, ms
 
 #: The start of every row this bench writes (``benchmarks.run --only`` replaces them).
 ROW_PREFIXES = ("pinned pool", "64 MiB of states into a pooled buffer", "copy-out (CUDA)")
@@ -26,13 +23,13 @@ ROW_PREFIXES = ("pinned pool", "64 MiB of states into a pooled buffer", "copy-ou
 NOTES = """- **copy-out (CUDA)**: the states of one request, T tokens x 4 layers x hidden 4096
   in bfloat16 (256 tokens: 8 MiB; 2048: 64 MiB), in a hidden-state cache of 16-token
   blocks scattered over twice the blocks needed. *Ours* is the worker's own path
-  (`HsxConnectorWorker._copy_out`: slot indices, the gather on a side stream, the copy
-  into a pooled pinned buffer, the wait for its event, the buffer given back), after a
-  warm-up that pins the pool's buffer. Baselines: a plain pinned copy of the same
-  bytes already gathered and contiguous (`host.copy_(gathered, non_blocking=True)`,
-  then synchronize: the transfer alone, so the ratio is what the gather and the
-  bookkeeping add), and the naive `cache[blocks, :, offsets].cpu()` into fresh
-  pageable memory. GB/s and the ratio are from wall time (medians of interleaved
+  (`service/engine/connector/copyout.py`'s `CudaCopy`: slot indices, the gather on a
+  side stream, the copy into a pooled pinned buffer, the wait for its event, the buffer
+  given back), after a warm-up that pins the pool's buffer. Baselines: a plain pinned
+  copy of the same bytes already gathered and contiguous (`host.copy_(gathered,
+  non_blocking=True)`, then synchronize: the transfer alone, so the ratio is what the
+  gather and the bookkeeping add), and the naive `cache[blocks, :, offsets].cpu()` into
+  fresh pageable memory. GB/s and the ratio are from wall time (medians of interleaved
   rounds); "GPU" is the CUDA-event time of the copy itself. Without a CUDA device the
   row says "skipped".
 - **pinned pool, CPU**: `PinnedPool.take` + `give` against allocating a fresh tensor of
@@ -130,44 +127,29 @@ async def _pool_rows(timed: Timer, rounds: int) -> list[Row]:
     ]
 
 
-def _cuda_worker(cache: torch.Tensor) -> Any:
-    from service.config import StorageSettings
-    from service.engine.connector.worker import HsxConnectorWorker
-    from service.engine.wire import ConnectorConfig
-
-    config = ConnectorConfig(
-        model_name="bench",
-        completion_address="ipc:///unused",  # no writer: the bench waits on the copy itself
-        storage=StorageSettings(url="/unused"),
-        max_bytes_in_flight=1024**3,
-    )
-    half = HsxConnectorWorker(SimpleNamespace(), config, BLOCK)  # type: ignore[arg-type]
-    half._cache = cache  # what register_kv_caches finds in a real engine
-    return half
-
-
 async def _cuda_rows(tokens: int, timed: Timer, rounds: int) -> list[Row]:
-    from service.engine.connector.worker import slot_indices
+    from service.engine.connector.copyout import CudaCopy, slot_indices
+    from service.engine.connector.pinned import PinnedPool
     from service.engine.jobs import PendingSave
 
     needed = -(-tokens // BLOCK)
     generator = torch.Generator().manual_seed(tokens)
     cache = torch.randn(2 * needed, LAYERS, BLOCK, HIDDEN, dtype=torch.bfloat16, device="cuda")
     block_ids = torch.randperm(2 * needed, generator=generator)[:needed].tolist()
-    half = _cuda_worker(cache)
+    # The worker's own copy strategy on a CUDA cache, with a pool of its own.
+    pool = PinnedPool(1024**3)
+    copier = CudaCopy(cache, BLOCK, pool)
     blocks, offsets = slot_indices(block_ids, BLOCK, tokens)
     gathered = cache[blocks.cuda(), :, offsets.cuda()].contiguous()
     nbytes = gathered.numel() * gathered.element_size()
     pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
     gpu: dict[str, list[float]] = {"ours": [], "pinned": [], "naive": []}
+    save = PendingSave("r", "hsx/bench/k", tuple(range(tokens)), tuple(block_ids), {})
 
     def ours() -> None:
-        save = PendingSave("r", "hsx/bench/k", tuple(range(tokens)), tuple(block_ids), {})
-        job = half._copy_out(save, nbytes)
-        gpu["ours"].append(job.copy.wait())  # the copy's own CUDA-event time
-        job.copy.release()
-        half._poll_copies()
-        half._copied.clear()
+        copy = copier.start(save)
+        gpu["ours"].append(copy.wait())  # the copy's own CUDA-event time
+        copy.release()
 
     def evented(name: str, copy: Callable[[], object]) -> Callable[[], None]:
         def run_once() -> None:
@@ -185,7 +167,7 @@ async def _cuda_rows(tokens: int, timed: Timer, rounds: int) -> list[Row]:
     torch.cuda.synchronize()
     wall = await _interleaved({"ours": ours, "pinned": plain, "naive": naive}, timed, rounds)
     # The pooled buffer still holds our last copy: the same bytes as the plain one.
-    assert torch.equal(half._pinned.take(tuple(gathered.shape), gathered.dtype)[1], pinned)
+    assert torch.equal(pool.take(tuple(gathered.shape), gathered.dtype)[1], pinned)
 
     def rate(name: str) -> str:
         gbps = nbytes / wall[name] / 1e9
@@ -209,13 +191,3 @@ async def _cuda_rows(tokens: int, timed: Timer, rounds: int) -> list[Row]:
             "<= 1.0",
         ),
     ]
-
-
-if __name__ == "__main__":
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="hsx-copy-bench-") as tmp:
-        result = asyncio.run(run(Path(tmp), timed, quick="--quick" in sys.argv))
-        for row in result:
-            print(table_line(row))

@@ -1,7 +1,7 @@
 """``hsx dataset run`` against one server vs ``Extractor.extract`` in-process.
 
-``python -m benchmarks.dataset_bench`` (also a row of ``make bench``). One engine (the
-tiny dense model on the CPU) serves both sides. The in-process side is
+``python -m benchmarks.run --only dataset_bench [--quick]``. One engine (the tiny dense
+model on the CPU) serves both sides. The in-process side is
 ``asyncio.gather`` of every prompt's ``Extractor.extract``; the runner side is the
 ``hsx dataset`` command in a process of its own, reading a JSONL file, with its
 manifest fsynced after every response. Every timed run gets fresh prompts (see
@@ -32,12 +32,9 @@ from benchmarks.common import (
     cpu_text,
     fresh_prompts,
     interleaved,
-    loop_factory,
     ms,
     prompt_lengths,
     serve,
-    table_line,
-    timed,
 )
 
 PROMPTS = int(os.environ.get("HSX_BENCH_DATASET_PROMPTS", "256"))
@@ -215,20 +212,3 @@ async def _runner(url: str, prompts: list[list[int]], scratch: Path, tag: str) -
     assert summary["ok"] == len(prompts), summary
     assert summary["objects_created"] == len(prompts), summary
     return float(summary["elapsed_s"])
-
-
-def main() -> None:
-    import tempfile
-
-    with (
-        tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
-        asyncio.Runner(loop_factory=loop_factory()) as runner,
-    ):
-        rows = runner.run(run(Path(scratch), timed))
-    for row in rows:
-        print(table_line(row))
-    print(NOTES)
-
-
-if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point
-    main()

@@ -1,9 +1,9 @@
 """The drafter proof (issue 25): EAGLE-3 drafters trained on hsx's states are as good as
 drafters trained on a transformers reference, and a corrupted control is clearly worse.
 
-``python -m benchmarks.drafter_bench [--quick]`` (also ``python -m benchmarks.run --only
-drafter_bench``, which rewrites just these rows of ``docs/benchmarks.md``). Every step is
-real and runs on this CPU:
+``python -m benchmarks.run --only drafter_bench`` rewrites just these rows of
+``docs/benchmarks.md`` (``--quick``: prints them). Every step is real and runs on this
+CPU:
 
 1. an hsx server on the demo model (SmolLM2-135M-Instruct, float32, layers
    [2, 15, 27, 30]) answers each seed question of ``benchmarks/drafter/questions.txt``
@@ -42,10 +42,7 @@ from benchmarks.common import (
     Timer,
     child_output,
     last_json,
-    loop_factory,
     serve,
-    table_line,
-    timed,
 )
 
 QUESTIONS = Path(__file__).resolve().parent / "drafter" / "questions.txt"
@@ -160,7 +157,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     clock: dict[str, float] = {}
     train_q, held_q = split(load_questions(size.questions))
     # The torch stages' process imports while the hsx server starts and answers.
-    async with Preforked.start(TORCH_STAGES, work / "stages.log", _child_env()) as stages:
+    async with Preforked.start(TORCH_STAGES, work / "stages.log", child_env()) as stages:
         async with _timed(clock, "hsx"), hsx_server(model, work, eager=quick) as url:
             conversations = await respond(url, model.name, train_q + held_q, size.max_tokens)
             exports = {
@@ -416,7 +413,7 @@ def acceptance_row(results: dict[str, dict[str, Any] | str], held: int) -> Row:
     )
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """The environment of every child: the caller's, less the bench's own switches."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_BENCH_")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -430,7 +427,7 @@ async def _child(module: str, *args: str, log: Path) -> str:
     with log.open("wb") as sink:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", module, *args,
-            cwd=REPO, env=_child_env(), stdout=sink, stderr=asyncio.subprocess.STDOUT,
+            cwd=REPO, env=child_env(), stdout=sink, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         status = await proc.wait()
     return await child_output(module, status, log)
@@ -506,22 +503,3 @@ def rows(
         )
     )
     return out
-
-
-def main() -> None:
-    """``python -m benchmarks.drafter_bench [--quick]``: print the rows and notes."""
-    import tempfile
-
-    quick = "--quick" in sys.argv[1:]
-    with (
-        tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch,
-        asyncio.Runner(loop_factory=loop_factory()) as runner,
-    ):
-        found = runner.run(run(Path(scratch), timed, quick=quick))
-    for row in found:
-        print(table_line(row))
-    print(NOTES)
-
-
-if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point
-    main()

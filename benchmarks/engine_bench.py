@@ -1,7 +1,7 @@
 """Engine benchmarks: what extraction costs beside the engine's own speed.
 
-``python -m benchmarks.engine_bench [--quick]`` (also rows of ``make bench``). One
-random-weight Llama and one set of prompts per length serve every side:
+``python -m benchmarks.run --only engine_bench [--quick]``. One random-weight Llama and
+one set of prompts per length serve every side:
 
 * the hsx engine, prompts through ``Extractor.extract`` (durable objects), against the
   same engine running the same prompts as plain ``generate`` calls with no hsx
@@ -16,11 +16,9 @@ the transformers rounds run beside the hsx engine's rounds while it is idle.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import os
 import random
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Timer, print_rows
+from benchmarks.common import Row, Timer
 from benchmarks.engine_sides import (
     WARM_PROMPTS,
     Medians,
@@ -115,20 +113,10 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   the order alternating each round. Target for local disk: at least 0.95. S3 is moto
   on 127.0.0.1 inside the bench process, so its CPU comes out of the same cores as the
   engine's: the S3 rows are information.
-- **What stands between extraction and 0.95 at 256 tokens on local disk.** Two full
-  `make bench` runs of the same code on this machine on the same day gave 0.98 and
-  0.94 (2026-11-22); single rounds spread about ±0.05 more. What
-  extraction adds to the worker is measured, not guessed (`docs/profile.md`): about
-  6.3 ms of CPU per 4 MiB object in the writer (SHA-256, which the response promises,
-  is about 2.5 ms of it; fsync 0.3-0.4 ms), so about 0.4 CPU-seconds per round of 64
-  objects, against about 46 core-seconds of a round on 2 full cores (under 1%); and
-  extraction's added worker CPU per round measured +0.01 s of 39.6. Cut so far, each
-  with its numbers there: the writer's threads moved off the forward pass's CPU (they
-  had shared it), no serialisation copy, an `index_select` gather (0.86 to 0.13 ms per
-  object). Tried and kept out: smaller write chunks, batched fsyncs, nice-10 writers,
-  a cheaper checksum. What is left is within the spread between runs: on 2 cores, the
-  writer's threads wake on the forward pass's cores at moments a round cannot
-  control. More rounds would narrow the spread; each round is about 23 s here.
+- **What stands between extraction and 0.95 at 256 tokens on local disk**: the spread
+  between runs (two full runs of the same code on one day read 0.98 and 0.94; single
+  rounds spread about ±0.05 more). What extraction costs the worker, what was cut and
+  what was tried: `docs/profile.md`.
 - **extraction vs vanilla vLLM**: an `AsyncLLM` with the same engine arguments minus
   the speculative method, the KV connector and hsx's worker extension; plain requests.
   Only one engine fits on this machine at a time, so it runs after the hsx engines
@@ -159,26 +147,11 @@ NOTES = f"""- **engine rows**, on {_machine()} of memory. Full mode: a random-we
   ceiling (`limits.max_bytes_in_flight`, lowered from 1 GiB to {FULL.in_flight_mib} MiB
   in full mode, half of one round's {_round_mib(FULL)} MiB of {FULL.sets[1][0]}-token
   states, so that it binds) plus a fixed {RSS_MARGIN_MIB} MiB for the writer's threads
-  and buffers. Target: growth at most that bound. What broke it before was the
-  allocator, not the ceiling: after a large block is freed, glibc raises its mmap
-  threshold (up to 32 MiB), so later host copies and encoded objects came from
-  per-thread arenas that keep freed memory resident. Measured while working on issue
-  13 (full model, 2 rounds per length, worker only): 309 MiB peak growth and 121 MiB
-  still resident after the rounds with glibc's defaults; 151 MiB and 1 MiB with the
-  threshold fixed at 1 MiB. The full bench's first run, before that fix, gave
-  502 MiB against a bound of 384 MiB. The fixed threshold also put the forward pass's
-  large activations on `mmap` (issue 31, `docs/profile.md`); the writer now trims the
-  heap instead (`malloc_trim` every quarter of the ceiling released, and after 1 s idle:
-  `service/engine/allocator.py`).
-- **a steady heap (issue 31, 2026-11-28, seventh stop)**: these rows were run again on
-  this stop's host, after the CPU worker began to fix glibc's thresholds
-  (`allocator.steady_heap`: blocks up to 32 MiB from the heap, no automatic trim, the
-  writer's trims as before). Peak RSS growth 19 MiB against the bound of 384 (the
-  previous table's run, on another host before the change: 155 MiB). Extraction / same
-  engine 0.93 at both lengths (the previous table 0.93 and 0.97, another host), vanilla
-  0.99 and 1.02, transformers 2.00 and 2.06. Both sides of the same-engine row run with
-  the steady heap, and these rows were not run on this host before it, so what it did
-  to them is not measured here; its effect is measured in the peer bench's notes.
+  and buffers. Target: growth at most that bound. What decides it is the allocator,
+  not the ceiling (the full bench's first run gave 502 MiB against 384 with glibc's
+  dynamic thresholds): the CPU worker keeps a steady heap and the writer trims it
+  (`service/engine/allocator.py`; `docs/profile.md`, "The heap"). The table's rows ran
+  with the steady heap on both sides of the same-engine row.
 """
 
 
@@ -261,7 +234,6 @@ async def _vanilla(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from service.engine.builder import engine_args, read_model_info
-    from service.engine.extractor import _release_vllm_resources
 
     info = read_model_info(str(settings.engine.model))
     hsx_args = engine_args(settings, info, list(plan.layer_ids), "ipc://unused")
@@ -274,8 +246,9 @@ async def _vanilla(
         side = {"plain": plain_side(engine)}
         return {n: (await rounds(side, p, plan.rounds, timer))["plain"] for n, p in sets.items()}
     finally:
+        # vLLM's own shutdown: what it leaves open in this process (a ZMQ context, the
+        # EngineCore's process objects) is idle and does not touch the timed rounds.
         engine.shutdown()
-        _release_vllm_resources(engine)
 
 
 def _moto(bucket: str) -> tuple[Any, str]:
@@ -369,18 +342,3 @@ def _rss_row(plan: Plan, growth: int) -> Row:
         growth / MIB / bound,
         "<= 1.0",
     )
-
-
-def main() -> None:
-    """``python -m benchmarks.engine_bench [--quick]``: print the rows."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, few prompts")
-    quick = parser.parse_args().quick
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    print_rows(run, quick, "hsx-engine-bench-")
-
-
-if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point
-    main()

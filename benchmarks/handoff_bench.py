@@ -1,9 +1,8 @@
 """The hand-off of one sample: from "the server answered" to "the trainer holds the tensors".
 
-``python -m benchmarks.handoff_bench [--quick]`` (also ``python -m benchmarks.run --only
-handoff_bench``, and rows of ``make bench``). One sample object, built as hsx's writer
-builds it (``codecs.pack_parts("raw", ...)``: float32 states [T, 4, H] and int64
-token ids), is published (untimed) by this process, the server's side, through hsx's
+``python -m benchmarks.run --only handoff_bench [--quick]``. One sample object, built
+as hsx's writer builds it (``codecs.pack_parts("raw", ...)``: float32 states [T, 4, H]
+and int64 token ids), is published (untimed) by this process, the server's side, through hsx's
 own storage to local disk, to S3 (moto on 127.0.0.1) and to Mooncake (a real
 ``mooncake_master`` on 127.0.0.1, the object in hs-connectors' layout from
 ``service.packed``). A trainer in a process of its own (``--trainer``) gets the answer
@@ -448,25 +447,13 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
 
 
 def main() -> None:
-    """``--trainer CONFIG``: the trainer process; else print the rows and notes."""
-    if sys.argv[1:2] == ["--trainer"]:
-        # Replies go out on a descriptor of their own; anything a library prints on
-        # stdout goes to stderr instead.
-        replies = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)
-        trainer(json.loads(sys.argv[2]), sys.stdin, replies)
-        return
-    import tempfile
-
-    from benchmarks.common import table_line, timed
-
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    with tempfile.TemporaryDirectory(prefix="hsx-bench-") as scratch:
-        rows = asyncio.run(run(Path(scratch), timed, quick="--quick" in sys.argv))
-    for row in rows:
-        print(table_line(row))
-    print(NOTES)
+    """``--trainer CONFIG``: the trainer process (the bench starts it)."""
+    assert sys.argv[1:2] == ["--trainer"], "run the bench with python -m benchmarks.run"
+    # Replies go out on a descriptor of their own; anything a library prints on
+    # stdout goes to stderr instead.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    trainer(json.loads(sys.argv[2]), sys.stdin, replies)
 
 
 if __name__ == "__main__":

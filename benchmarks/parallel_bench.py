@@ -1,10 +1,10 @@
 """Tensor and data parallelism against one rank: extraction throughput on this machine.
 
-``python -m benchmarks.parallel_bench [--quick]`` (also ``python -m benchmarks.run
---only parallel_bench``). Each layout (TP=1, TP=2, DP=2) runs in a process of its own,
-one engine alive at a time, so no layout inherits another's thread binding; the
-layouts are measured in ABCCBA order and each layout's throughput is the median of all
-its rounds. Rows: TP=2 / TP=1 and DP=2 / TP=1, each with the binding its workers got.
+``python -m benchmarks.run --only parallel_bench [--quick]``. Each layout (TP=1, TP=2,
+DP=2) runs in a process of its own, one engine alive at a time, so no layout inherits
+another's thread binding; the layouts are measured in ABCCBA order and each layout's
+throughput is the median of all its rounds. Rows: TP=2 / TP=1 and DP=2 / TP=1, each
+with the binding its workers got.
 """
 
 from __future__ import annotations
@@ -146,22 +146,17 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
 
 
 def main() -> None:
-    """``python -m benchmarks.parallel_bench [--quick]``, or one layout (internal)."""
+    """One layout in this process (the bench starts it): its result is the last stdout
+    line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--layout", choices=list(LAYOUTS))
-    parser.add_argument("--size")
-    parser.add_argument("--scratch")
+    parser.add_argument("--layout", choices=list(LAYOUTS), required=True)
+    parser.add_argument("--size", required=True)
+    parser.add_argument("--scratch", required=True)
     args = parser.parse_args()
-    if args.layout:  # one layout in this process: its result is the last stdout line
-        size = Size(**json.loads(args.size))
-        fork_engine_server()
-        found = asyncio.run(measure(args.layout, size, Path(args.scratch)))
-        print(json.dumps(found), flush=True)
-        return
-    from benchmarks.common import print_rows
-
-    print_rows(run, args.quick, "hsx-parallel-")
+    size = Size(**json.loads(args.size))
+    fork_engine_server()
+    found = asyncio.run(measure(args.layout, size, Path(args.scratch)))
+    print(json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":

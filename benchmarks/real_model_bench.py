@@ -8,8 +8,8 @@ layer), and those shape both ``lossless``'s ratio and fp8's error. Here the demo
 and layer (its decoded objects against the raw objects of the same prompts), and what
 that means for sizing storage.
 
-``python -m benchmarks.real_model_bench [--quick]`` prints the rows;
-``python -m benchmarks.run --only real_model_bench`` writes them to docs/benchmarks.md.
+``python -m benchmarks.run --only real_model_bench`` writes them to docs/benchmarks.md
+(``--quick``: prints them).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.common import Row, Timer, table_line, timed
+from benchmarks.common import Row, Timer
 from service import codecs
 from service.config import Settings
 
@@ -479,15 +479,3 @@ def _selection_rows(measured: Measured, selection: Selection) -> list[Row]:
 def _hidden_size(measured: Measured) -> int:
     """The states' width, read from the first raw object's header."""
     return codecs.read_object(measured.objects["raw"][0]).shape[-1]
-
-
-if __name__ == "__main__":  # vLLM starts its engine process: guard the entry point
-    import sys
-    import tempfile
-
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="hsx-real-model-bench-") as tmp:
-        rows = asyncio.run(run(Path(tmp), timed, quick="--quick" in sys.argv))
-    for row in rows:
-        print(table_line(row))
-    print(f"wall time: {time.perf_counter() - start:.1f} s")

@@ -1,7 +1,9 @@
 """``make bench``: speed measured as ratios, side by side in one run.
 
-Results go to stdout and to ``docs/benchmarks.md``. Each pair runs interleaved on the
-same data, so a noisy machine slows both sides alike; the ratio is what we track.
+Results go to stdout and to ``docs/benchmarks.md``: the table of every bench's rows,
+then every bench's ``NOTES``. Each pair runs interleaved on the same data, so a noisy
+machine slows both sides alike; the ratio is what we track. Which bench answers which
+question: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ from benchmarks import (
     drafter_bench,
     engine_bench,
     handoff_bench,
-    limits_bench,
     parallel_bench,
-    peer_bench,
     real_model_bench,
     storage_bench,
     validation_bench,
@@ -37,13 +37,13 @@ ENGINE_BENCHES = (
     real_model_bench,
     dataset_bench,
     engine_bench,
-    peer_bench,
-    limits_bench,
     parallel_bench,
     drafter_bench,
 )
 #: Every bench whose notes go under the table, in the table's order.
 ALL_BENCHES = (storage_bench, validation_bench, copy_bench, *ENGINE_BENCHES, handoff_bench)
+#: ``--only``'s names for them.
+BENCHES = {bench.__name__.rpartition(".")[2]: bench for bench in ALL_BENCHES}
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -59,10 +59,16 @@ def main() -> None:
         "--only",
         default="",
         help="comma-separated bench modules (engine_bench,drafter_bench,...): run just "
-        "these and replace their rows in docs/benchmarks.md, keeping the others",
+        "these and replace their rows in docs/benchmarks.md, keeping the others "
+        "(with --quick: print their rows, write nothing)",
     )
     args = parser.parse_args()
     quick, only = args.quick, [name for name in args.only.split(",") if name]
+    if unknown := [name for name in only if name not in BENCHES]:
+        parser.error(
+            f"no bench {', '.join(unknown)}: the benches are {', '.join(BENCHES)} (the "
+            "peer and limits benches are experiments now: experiments/README.md)"
+        )
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -90,7 +96,10 @@ HEADER = [
     "Written by `make bench`. Ratios compare two ways of doing the same work in one run",
     "on the same machine; absolute times depend on the machine (described under the",
     "engine rows below). Where extraction's time goes, and what was tried to cut it:",
-    "[profile.md](profile.md).",
+    "[profile.md](profile.md). What each bench asks, and how to rerun one:",
+    "`benchmarks/README.md`. The investigations that once wrote rows here (hsx against",
+    "vLLM's own hidden-states connector, the machine's limits) are experiments, with",
+    "their last numbers: `experiments/README.md`.",
     "",
     "| benchmark | ours | baseline | ratio (ours / baseline) | target |",
     "| --- | --- | --- | --- | --- |",
@@ -108,10 +117,9 @@ def _document(rows: list[Row], kept: list[str] | None = None) -> str:
 
 def _run_only(names: list[str], quick: bool) -> None:
     """Run some benches; their rows replace the rows they wrote before (matched by
-    the module's ``ROW_PREFIXES``), every other row of the table stays as it was."""
-    import importlib
-
-    modules = [importlib.import_module(f"benchmarks.{name}") for name in names]
+    the module's ``ROW_PREFIXES``), every other row of the table stays as it was; with
+    ``quick``, print their rows and write nothing."""
+    modules = [BENCHES[name] for name in names]
     # Every row a bench writes starts with one of its prefixes: known before it runs.
     prefixes = tuple(p for module in modules for p in module.ROW_PREFIXES)
     rows: list[Row] = []
@@ -121,6 +129,9 @@ def _run_only(names: list[str], quick: bool) -> None:
     ):
         for module in modules:
             rows += runner.run(module.run(Path(scratch), timed, quick=quick))
+    if quick:  # it shows the benches run: their rows, nothing written
+        print("\n".join(table_line(row) for row in rows))
+        return
     old = DOC.read_text().split("\n\n## ", 1)[0].splitlines() if DOC.exists() else []
     kept = [
         line
@@ -129,9 +140,7 @@ def _run_only(names: list[str], quick: bool) -> None:
         and not line.startswith(("| benchmark |", "| --- |"))
         and not line.removeprefix("| ").startswith(prefixes)
     ]
-    text = _document(rows, kept)
-    if not quick:
-        DOC.write_text(text)
+    DOC.write_text(_document(rows, kept))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: guard the entry point

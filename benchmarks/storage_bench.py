@@ -89,6 +89,6 @@ async def _s3(timer: Timer) -> Row:
     return Row("S3 multipart 64 MiB: 8 parallel parts vs 1 (moto)", ms(p), ms(s), p / s, "<= 1.0")
 
 
-async def run(scratch: Path, timer: Timer) -> list[Row]:
-    """All storage rows."""
+async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
+    """All storage rows (``quick`` changes nothing: they are short)."""
     return [await _local(scratch, timer), await _s3(timer)]

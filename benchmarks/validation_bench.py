@@ -16,8 +16,9 @@ NOTES = """- **state validation vs serialisation**: `check_states` (every value 
 """
 
 
-async def run(scratch: Path, timer: Timer) -> list[Row]:
-    """One row: validation time, serialisation time, their ratio."""
+async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
+    """One row: validation time, serialisation time, their ratio (``quick`` changes
+    nothing: it is short)."""
     import torch
 
     from service.engine.objects import object_metadata, serialize_parts

@@ -14,7 +14,7 @@ NODES = [
     "tests/engine/test_codecs_engine.py::test_bad_codec[nemotron-h-kwargs0-choose one of raw, fp8]",
     "tests/api/test_extract.py::test_one",
     "tests/api/test_openai.py::test_two[a@b]",
-    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[peer_bench]",
+    "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[codec_bench]",
     "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[api_bench]",
 ]
 

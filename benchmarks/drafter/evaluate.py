@@ -36,6 +36,8 @@ def load_drafter(checkpoint: str) -> Any:
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     config = Eagle3SpeculatorConfig.from_pretrained(checkpoint)
+    # transformers' config has no public setter for it; speculators' own `train
+    # --draft-attn-impl` sets the same attribute (speculators/train/cli.py).
     config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(checkpoint, config=config)
     return model.float().eval()

@@ -3,9 +3,10 @@
 ``python -m benchmarks.drafter.train_cpu <speculators train flags>`` is
 ``speculators train <flags>`` with the three changes below applied in this process
 before speculators' own typer app starts; the model, data loader, loss and trainer are
-speculators' own code, unchanged (checked with speculators 0.9.0; see
-``/work/shared/notes/real-parts.md``). Each patch replaces a helper that assumes a
-CUDA-like device with one that answers "cpu"; none changes what is computed.
+speculators' own code, unchanged (checked with speculators 0.9.0; the drafter rows'
+notes in ``docs/benchmarks.md`` describe the whole run). Each patch replaces a helper
+that assumes a CUDA-like device with one that answers "cpu"; none changes what is
+computed.
 
 Train in float32 end to end (``--hidden-states-dtype float32``): the trainer asks for
 autocast on device type ``cuda`` when no accelerator exists, and on a CPU that

@@ -1,10 +1,11 @@
 """The peer bench (issue 31): hsx against vLLM's own hidden-states connector, and hsx's
 engine without extraction against a stock vLLM engine, one engine per process.
 
-``python -m benchmarks.peer_bench [--quick]`` (also ``python -m benchmarks.run --only
-peer_bench``). Every measurement is a fresh ``python -m benchmarks.peer_side`` process
-with one engine (``benchmarks/peer_side.py``), the two sides of a row alternating in
-ABBA order, with the same prompts, model, layers, dtype and CPU binding.
+``python -m experiments.peer_lab.peer_bench [--quick]`` prints the rows and the notes (an
+experiment: ``make bench`` does not run it; ``README.md`` beside this file). Every
+measurement is a fresh ``python -m experiments.peer_lab.peer_side`` process with one
+engine (``peer_side.py``), the two sides of a row alternating in ABBA order, with the
+same prompts, model, layers, dtype and CPU binding.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Preforked, Row, Timer, print_rows
-from benchmarks.peer_side import PromptSet
+from benchmarks.common import Preforked, Row, Timer
+from experiments.common import print_rows
+from experiments.peer_lab.peer_side import PromptSet
 from service.engine.openmp import parse_cpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,8 +37,8 @@ SIDE_TIMEOUT_S = 1200
 SIDE_PRELOAD = (
     "vllm.v1.engine.async_llm",
     "service.engine.extractor",
-    "benchmarks.peer_side",
-    "benchmarks.peer_connector",
+    "experiments.peer_lab.peer_side",
+    "experiments.peer_lab.peer_connector",
     "psutil",
 )
 #: Before each side's process: wait up to ``Plan.quiet_wait_s`` for CPU use under this.
@@ -95,10 +97,10 @@ FULL = Plan(
     rounds=4,
     # The stock side runs on 4 KiB pages and its time per set is bimodal between
     # processes: two runs of 4 rounds differed by up to 0.09, two of 8 agreed within
-    # 0.02 at 1 and 8 in flight (2026-11-28, sixth stop; docs/profile.md).
+    # 0.02 at 1 and 8 in flight (2026-11-28, sixth stop; diary.md).
     stock_rounds=8,
     method_sets=("256x16@1", "2048x8@8"),
-    # The suspect rows found the cause (docs/profile.md, issue 31) and cost about 9
+    # The suspect rows found the cause (diary.md, issue 31) and cost about 9
     # minutes a run; `SUSPECT_PLAN` runs them again.
     suspect_sets=(),
 )
@@ -114,12 +116,12 @@ QUICK = Plan(
     quiet_wait_s=0.0,  # it shows the bench runs: in the test suite the machine is never quiet
 )
 
-NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's engine,
+NOTES = f"""- **peer rows (issue 31)**: `experiments/peer_lab/peer_bench.py`. *hsx*: hsx's engine,
   `Extractor.extract` of every prompt (the answer comes once the object is durable:
   safetensors file written, SHA-256 computed, file and directory fsync'd). *peer*: a
   stock vLLM `AsyncLLM` with `speculative_config` `extract_hidden_states` (1 token, the
   same layer ids) and vLLM's `ExampleHiddenStatesConnector`, as
-  `benchmarks/peer_connector.py`'s `CpuHiddenStatesConnector`, which replaces only its
+  `experiments/peer_lab/peer_connector.py`'s `CpuHiddenStatesConnector`, which replaces only its
   CUDA calls (`torch.cuda.Stream` / `torch.cuda.stream` / `wait_event`, the two
   `torch.cuda.Event`s, the pinned host buffer and its non-blocking copy; the gather
   `extract_from_kv_cache` returns a host tensor already): its 8 writer threads,
@@ -150,7 +152,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   processes (64x256 @64: 3.97-4.15 s or 4.83-5.61 s, by whether its heap stays put),
   so without it a row measures the share of slow processes a run draws (a caller's
   own `GLIBC_TUNABLES` applies to every side instead).
-- **method**: each measurement is a process of its own (`benchmarks.peer_side`, as
+- **method**: each measurement is a process of its own (`experiments.peer_lab.peer_side`, as
   `python -m` would run it, forked from a process started for that side and round
   alone, which imported vLLM before the bench waits for a quiet machine:
   `benchmarks/preforked.py`; the engine's own processes are forked from the side's fork
@@ -253,8 +255,8 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   0.92 and 0.99, a 2-prompt set). The peer's own throughput at 16x256 @1 still moved
   10% between them (2724 and 2996 tok/s), so a layout is not all of the drift. hsx's
   engine without extraction stayed 0.03-0.06 under a stock engine at 1 and 8 in flight;
-  vLLM's drafter, timed in the worker, is 0.6% of a request there (docs/profile.md).
-  Timing every RPC of vLLM's worker found the rest (docs/profile.md, fourth stop):
+  vLLM's drafter, timed in the worker, is 0.6% of a request there (diary.md).
+  Timing every RPC of vLLM's worker found the rest (diary.md, fourth stop):
   hsx's 500 µs sleep between queue polls delayed the answers of each step's three
   round trips, which come within a millisecond, and every step fetched draft tokens
   that no request took. With each wait spinning 2 ms before it sleeps, and the fetch
@@ -305,7 +307,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   instead of hsx's poll pause reads no better (0.95, 0.90). hsx / peer with huge pages
   on both sides, 2-round pairs: 0.83 and 0.93 (16x256 @1, 64x256 @8) with fsync, 0.90
   and 0.95 without (`storage.local.fsync=false`, an experiment), so durability is about
-  7 of the 17 points at 1 in flight (docs/profile.md, "What is left"). In the hsx / peer
+  7 of the 17 points at 1 in flight (diary.md, "What is left"). In the hsx / peer
   rows' own binding (`0-1`), 4 rounds with huge pages on both sides read 0.86, 0.87,
   0.94, 0.96 (16x256 @1, 64x256 @8, 64x256 @64, 4x2048 @1): extraction's own gap. Per 2
   MiB object hsx's writer takes about 3.8 ms of CPU over its threads (storage 1.1,
@@ -345,7 +347,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   in both; the random model's at 256 tokens differ by up to 0.27, all of it the peer's
   side (64x256 @64: the peer 2.89-3.42 s in H, 2.48-2.63 in I; hsx 2.75-2.85 and
   2.67-2.91). hsx-plain / stock 0.95, 0.98, 1.08, 1.04 (H) and 0.99, 1.00, 1.17, 1.09
-  (I); run G 0.99, 1.02, 1.05, 0.99. Tried and not kept (docs/profile.md, seventh stop):
+  (I); run G 0.99, 1.02, 1.05, 0.99. Tried and not kept (diary.md, seventh stop):
   the writer's threads at `SCHED_IDLE` (slower at 1, 8 and 64 in flight: 0.84 to 0.96 s,
   3.24 to 3.46, 3.07 to 3.19); Intel OpenMP preloaded (16x256 @1 1.22 to 1.19 s, 64x256
   @8 4.52 to 4.87); the stock side without address-space randomisation (medians
@@ -365,7 +367,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   apart), and none at 1.0: the rows at or above 1.0 in runs H and I were peer processes
   whose heap did not stay put. The stock pair's per-round ratios at 64x256 @64 are now
   0.94-1.02 and 0.96-1.03 (J, K) against 0.97-1.35 in run I. Where hsx's time goes on
-  equal heaps: docs/profile.md, eighth stop.
+  equal heaps: diary.md, eighth stop.
 - **saves before the next forward pass (issue 31, 2026-11-29, ninth stop)**: hsx's
   connector started a finished request's copy-out after the next step's forward pass
   (in `get_finished`), so each answer came a forward pass late and, with 256 prompts of
@@ -373,7 +375,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   ran 8 full ones (a temporary step log in vLLM's scheduler). It now starts them when
   the step binds its metadata, before the forward pass: 8 full steps, and hsx alone
   2.76-2.87 s against 3.07-3.11 s (4-7% at 8 to 64 in flight on short prompts;
-  docs/profile.md, ninth stop). Two full runs after it, back to back on a noisier host
+  diary.md, ninth stop). Two full runs after it, back to back on a noisier host
   than the eighth stop's (L, then M, the table's): hsx / peer 0.88, 0.90, 0.88, 0.99,
   0.99, 0.96 and 0.94, 0.97, 0.94, 0.93, 0.94 (L); 0.84, 0.87, 0.83, 0.98, 0.91, 0.89 and
   0.96, 0.97, 0.97, 0.97, 0.97 (M); hsx-plain / stock 0.94, 0.98, 1.00, 1.01 (L) and
@@ -383,7 +385,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   instead of 8 (`storage.io_threads`: the writer alone spends 2.0 instead of 2.9 ms of
   CPU per 512 KiB object, the engine's sets moved within the noise). With statistics,
   SHA-256 and fsync all switched off hsx / peer still read 0.88 at 256x64 @8 and @64
-  before the change. Why at least 1.0 is out of reach on a 2-core host: docs/profile.md,
+  before the change. Why at least 1.0 is out of reach on a 2-core host: diary.md,
   ninth stop.
 - **what the binding changed (issue 31)**: the hsx / peer rows moved when the binding
   began to hold, on both sides. The full run of 2026-11-27 (both sides unbound) read
@@ -400,7 +402,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   at 8 in flight): 0.86 and 0.89, against 0.82 and 0.85 in the table; within the
   noise, so not the cause, and not kept.
 - **the answer's path (issue 31, 2026-11-28)**: timed phase by phase at 1 in flight
-  (docs/profile.md, "The answer's path at one prompt in flight"), hsx's engine answered
+  (diary.md, "The answer's path at one prompt in flight"), hsx's engine answered
   as fast as the peer's, and then waited 7.6 ms (4-token prompts) to 22 ms (256 tokens)
   for the object. Two causes, fixed: the writer's idle `malloc_trim` ran after every
   object at 1 in flight, before the completion left, and handed the forward pass's free
@@ -414,7 +416,7 @@ NOTES = f"""- **peer rows (issue 31)**: `benchmarks/peer_bench.py`. *hsx*: hsx's
   each other while writer threads take one of their CPUs. Open (issue 31).
 - **hashing beside the write (issue 31, 2026-11-28, later)**: `LocalStorage` now hashes
   an object of 1 MiB or more on a thread of its own while it writes it (a 16 MiB put:
-  22-27 ms to 16 ms, the same CPU; docs/profile.md, "Hashing beside the write"). The
+  22-27 ms to 16 ms, the same CPU; diary.md, "Hashing beside the write"). The
   table's run after it: random Llama 0.83, 0.92, 0.90, 0.91, 0.93, 0.93 (before: 0.85,
   0.86, 0.90, 0.86, 0.94, 0.94); SmolLM2-135M 1.02, 0.97, 0.98, 1.01, 1.02 (before:
   0.89, 0.96, 0.93, 0.99, 0.95), three of five at or above 1.0. Tried the same day in
@@ -488,7 +490,7 @@ async def run_side(
     name = f"{side}-{launch.model.name}-{tag}{seed}"  # the tag keeps pairs' files apart
     out, output = launch.scratch / f"{name}.json", launch.scratch / f"{name}.log"
     command = [
-        *("benchmarks.peer_side", "--side", side),
+        *("experiments.peer_lab.peer_side", "--side", side),
         *("--model", str(launch.model), "--layers", ",".join(map(str, launch.layers))),
         *("--sets", ",".join(sets), "--seed", str(seed)),
         *("--work", str(launch.scratch / f"work-{name}"), "--out", str(out)),
@@ -558,7 +560,7 @@ def _model(scratch: Path, plan: Plan, model: ModelPlan) -> Path:
 
 async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     """The peer rows and the stock row. ``timer`` is unused: every time is taken inside
-    a side's own process (``benchmarks.peer_side``, with ``benchmarks.common.timed``)."""
+    a side's own process (``experiments.peer_lab.peer_side``, with ``benchmarks.common.timed``)."""
     del timer
     plan = QUICK if quick else FULL
     # Each pair's sides are bound as vLLM's ``auto`` binds that pair's vLLM side: the
@@ -682,10 +684,11 @@ class Peak:
 
 
 def matmul_peak(bind: str, quiet_wait_s: float) -> Peak | None:
-    """The peak from ``benchmarks.machine_limits`` (measured here, while no engine is
-    alive), or None when that module is absent: the MFU rows are then left out."""
+    """The peak from ``experiments.machine_limits.machine_limits`` (measured here, while
+    no engine is alive), or None when that module is absent: the MFU rows are then left
+    out."""
     try:
-        limits = importlib.import_module("benchmarks.machine_limits")
+        limits = importlib.import_module("experiments.machine_limits.machine_limits")
     except ImportError:
         return None
     import torch
@@ -708,7 +711,7 @@ def mfu_rows(
     over the matmul peak; no rows without a peak."""
     if peak is None:
         return []
-    limits = importlib.import_module("benchmarks.machine_limits")
+    limits = importlib.import_module("experiments.machine_limits.machine_limits")
     ours, theirs = results
     rows = []
     for name in results[ours][0]["seconds"]:
@@ -741,7 +744,7 @@ def bound_threads(bind: str) -> int:
 
 
 def main() -> None:
-    """``python -m benchmarks.peer_bench [--quick]``: print the rows and the notes."""
+    """``python -m experiments.peer_lab.peer_bench [--quick]``: print the rows and the notes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one round")
     quick = parser.parse_args().quick

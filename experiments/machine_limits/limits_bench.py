@@ -1,7 +1,8 @@
 """Limit rows (issue 31): how far hsx is from what this machine can do, and cost growth.
 
-``python -m benchmarks.limits_bench [--quick]`` prints the rows. In order, with no two
-engines alive at once:
+``python -m experiments.machine_limits.limits_bench [--quick]`` prints the rows (an
+experiment: ``make bench`` does not run it; ``README.md`` beside this file). In order,
+with no two engines alive at once:
 
 1. the disk's durable-write bandwidth (``machine_limits.durable_write_mb_s``);
 2. an hsx engine with vLLM's default CPU binding: which cores its worker was given and
@@ -32,16 +33,17 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import Row, Timer, fresh_prompts, print_rows
+from benchmarks.common import Row, Timer, fresh_prompts
 from benchmarks.engine_sides import Prompts, Side, extraction_side, hf_side, plain_side, rounds
 from benchmarks.hf_pipeline import HfPipeline, LocalSink
-from benchmarks.machine_limits import (
+from benchmarks.rss import MIB, PeakRss
+from experiments.common import print_rows
+from experiments.machine_limits.machine_limits import (
     durable_write_mb_s,
     flops_per_token,
     matmul_parameters,
     matmul_peak_gflops,
 )
-from benchmarks.rss import MIB, PeakRss
 from service.config import Settings
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -96,8 +98,8 @@ QUICK = Plan(
     512, 4, (1, 2, 3, 4), (128, 8), 1, (128, 1024), 2048, 1, ({BIND: "0"},), (512, 1024), 64
 )
 
-NOTES = f"""- **limit rows (issue 31)**, `benchmarks/limits_bench.py` with
-  `benchmarks/machine_limits.py`. Model: the random-weight Llama of `bench_settings` at
+NOTES = f"""- **limit rows (issue 31)**, `experiments/machine_limits/limits_bench.py` with
+  `machine_limits.py`. Model: the random-weight Llama of `bench_settings` at
   hidden {FULL.hidden} ({FULL.layers} layers, intermediate {3 * FULL.hidden}, 8 heads of
   64, 4 KV heads, vocabulary 512), float32, layer ids {list(FULL.layer_ids)}, eager
   mode, prefix caching off, `max_num_batched_tokens` {MAX_BATCHED_TOKENS} (longer
@@ -721,7 +723,7 @@ def _load_rows(load: OtherLoad) -> list[Row]:
 
 
 def main() -> None:
-    """``python -m benchmarks.limits_bench [--quick]``: print the rows."""
+    """``python -m experiments.machine_limits.limits_bench [--quick]``: print the rows."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, two lengths")
     quick = parser.parse_args().quick

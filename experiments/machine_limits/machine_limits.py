@@ -1,7 +1,7 @@
 """What this machine and a model allow at most: matmul peak, FLOPs per token, disk.
 
-A leaf library of ``benchmarks/`` (it imports no bench): ``limits_bench`` turns these
-into rows, and any bench that wants a model FLOP utilisation (MFU) divides its own
+A leaf library of this experiment (it imports no bench): ``limits_bench`` turns these
+into rows, and any experiment that wants a model FLOP utilisation (MFU) divides its own
 throughput x :func:`flops_per_token` by :func:`matmul_peak_gflops`.
 
 * :func:`matmul_peak_gflops`: the best median GEMM rate over a few square sizes at a

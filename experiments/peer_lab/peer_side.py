@@ -1,15 +1,15 @@
 """One side of the peer bench, in a process of its own: one engine, one round.
 
-``python -m benchmarks.peer_side --side SIDE --model DIR --layers 2,4,5,8
+``python -m experiments.peer_lab.peer_side --side SIDE --model DIR --layers 2,4,5,8
 --sets 256x64@8,... --seed N --work DIR --out FILE`` starts one engine, warms it up,
 runs each prompt set once with its number of prompts in flight, shuts the engine down
-and writes ``{"seconds": {set: wall seconds}, ...}`` to ``FILE``. ``benchmarks.peer_bench``
+and writes ``{"seconds": {set: wall seconds}, ...}`` to ``FILE``. ``peer_bench``
 starts one such process per side per round, so only one engine is alive at a time and
 no engine inherits state (threads, allocator, binding) from another.
 
 Sides: ``hsx`` (``Extractor.extract``: durable objects), ``hsx-plain`` (the same engine,
 plain requests), ``peer`` (a stock ``AsyncLLM`` with ``extract_hidden_states`` and
-vLLM's ``ExampleHiddenStatesConnector``, ``benchmarks.peer_connector``; a request is
+vLLM's ``ExampleHiddenStatesConnector``, ``experiments.peer_lab.peer_connector``; a request is
 done when its file's lock is released) and ``stock`` (a stock ``AsyncLLM``, no
 speculative method, no connector, plain requests). Two more isolate one difference
 each between hsx's engine and a stock one: ``stock-spec`` (a stock engine with the
@@ -133,7 +133,7 @@ def vllm_args(settings: Settings, connector_dir: Path | None, side: str = "stock
         return dataclasses.replace(stock, async_scheduling=False) if side == "stock-sync" else stock
     connector = KVTransferConfig(
         kv_connector="CpuHiddenStatesConnector",
-        kv_connector_module_path="benchmarks.peer_connector",
+        kv_connector_module_path="experiments.peer_lab.peer_connector",
         kv_role="kv_producer",
         kv_connector_extra_config={"shared_storage_path": str(connector_dir)},
     )
@@ -145,7 +145,7 @@ def peer_side(engine: Any, directory: Path) -> Side:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from benchmarks.peer_connector import wait_for_file
+    from experiments.peer_lab.peer_connector import wait_for_file
 
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
@@ -272,7 +272,7 @@ def thread_seconds() -> dict[str, float]:
     threads Python started keep their process's name, unless they name themselves, as
     hsx's pool threads do, ``service/threads.py``; a thread a named thread starts, a
     library's own, inherits that name): where a side's CPU goes, for
-    ``docs/profile.md``."""
+    ``diary.md``."""
     import psutil
 
     found: dict[str, float] = {}

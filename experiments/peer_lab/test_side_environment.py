@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.peer_bench import side_environment
-from benchmarks.peer_side import SIDES
+from experiments.peer_lab.peer_bench import side_environment
+from experiments.peer_lab.peer_side import SIDES
 from service.engine.allocator import STEADY_HEAP_TUNABLES
 
 

@@ -1,8 +1,9 @@
 """Where extraction's time goes: an A/B harness with an optional py-spy profile.
 
-``python -m benchmarks.profile_worker [--profile]`` starts one ``Extractor`` on a
-100M-parameter random Llama (hidden 1024, 8 layers, float32, layer ids [2, 4, 5, 8],
-prefix caching off, ``max_num_batched_tokens`` 2048) and runs interleaved rounds of
+``python -m experiments.worker_profile.profile_worker [--profile]`` starts one
+``Extractor`` on a 100M-parameter random Llama (hidden 1024, 8 layers, float32, layer
+ids [2, 4, 5, 8], prefix caching off, ``max_num_batched_tokens`` 2048) and runs
+interleaved rounds of
 
 (a) the same engine without extraction: ``extractor.engine.generate`` with
     ``max_tokens=1`` and no hsx ``extra_args``, so nothing is copied out or stored;
@@ -42,7 +43,7 @@ from service.config import Settings
 from service.engine.introspect import HsxWorkerExtension
 
 LAYER_IDS = [2, 4, 5, 8]
-EXTENSION = "benchmarks.profile_worker.ProfileWorkerExtension"
+EXTENSION = "experiments.worker_profile.profile_worker.ProfileWorkerExtension"
 
 
 class ProfileWorkerExtension(HsxWorkerExtension):
@@ -528,7 +529,7 @@ def interference(args: argparse.Namespace, scratch: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_worker")
+    parser = argparse.ArgumentParser(prog="python -m experiments.worker_profile.profile_worker")
     parser.add_argument("--profile", action="store_true", help="py-spy the engine during (b)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of each side")
     parser.add_argument("--prompts", type=int, default=64)
