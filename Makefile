@@ -6,7 +6,7 @@ EXTRAS ?= cpu,s3,dev,demo
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 
-.PHONY: install test test-fast lint fmt bench bench-smoke serve clean helm prometheus rdma-libs
+.PHONY: install test test-fast lint fmt bench bench-smoke serve clean helm prometheus rdma-libs docs config-page
 
 install: $(STAMP)
 
@@ -94,6 +94,17 @@ bench-smoke: $(STAMP)
 
 bench: bench-smoke
 	$(PY) -m benchmarks.run
+
+# The documentation site from docs/ (mkdocs.yml) into SITE, with --strict: a broken link
+# or anchor, or a page missing from the nav, fails it (tests/test_docs.py runs it).
+SITE ?= var/site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(SITE)
+
+# docs/configuration.md from the settings' own descriptions (service/config.py); a test
+# fails when the page and the code part ways.
+config-page: $(STAMP)
+	$(PY) -m service.settings_reference > docs/configuration.md
 
 serve: $(STAMP)
 	$(VENV)/bin/hsx serve

@@ -11,13 +11,23 @@ for; a later one gets that object (``found``) only if it asks for exactly that o
 * the same ``codec`` (the server's default when none is named), ``layers`` (all the
   served ones when none are named), ``loss``, ``include_output_tokens`` and, with
   ``include_output_tokens``, ``max_tokens`` (without it, ``max_tokens`` changes
-  nothing stored); the object records these under ``hsx.request`` in its metadata;
+  nothing stored);
+* the same ``tokens`` (the selection, as ``hsx.tokens`` writes it: a window is
+  ``{"start", "end"}`` as sent, not what it resolves to) and the same ``ttl_s`` (the
+  request's, or the server's default when it names none; None: never expires): a
+  retry without a TTL must not be answered with an object that expires, nor one with
+  a TTL with an object that never does (issue 58). The object expires when its first
+  request said, counted from when it was stored, not from the retry;
 * the same ``metadata``: the caller's strings stored in the object, no more, no less.
 
-Anything else is ``IdempotencyConflictError`` (409 ``conflict``) naming what differs,
-and so is an object under the key that cannot be read as one (a malformed header, a
-missing tensor, a missing or malformed ``hsx.request``); the stored object is never
-touched. Identical requests in flight in this process share one engine run
+The object records the options above (all but the token ids and metadata) under
+``hsx.request`` in its metadata.
+
+Any other request is ``IdempotencyConflictError`` (409 ``conflict``) naming what
+differs, and so is an object under the key that cannot be read as one (a malformed
+header, a missing tensor, a missing or malformed ``hsx.request``, or one an older hsx
+wrote without ``tokens`` and ``ttl_s``); the stored object is never touched.
+Identical requests in flight in this process share one engine run
 (``service.api.singleflight``); different ones do not: the extractor runs them one
 after the other (``Extractor._one_at_a_time``), and the create-only write lets the
 first store its object, the others then meeting it as above. Across replicas the
@@ -40,7 +50,7 @@ from service.api.state import ApiState
 from service.codecs import ObjectHeader, read_object
 from service.engine.errors import IdempotencyConflictError, InvalidPromptError, StorageWriteError
 from service.engine.objects import is_reserved
-from service.engine.wire import Extraction
+from service.engine.wire import Extraction, selection_json
 from service.packed import as_safetensors, manifest_of
 from service.storage import NotFoundError, Storage
 from service.storage.keys import idempotent_key
@@ -50,7 +60,7 @@ __all__ = ["REQUEST_KEY", "Found", "IdempotencyConflictError", "as_found", "extr
 #: Metadata key of the options an object under a custom_id was made with.
 REQUEST_KEY = "hsx.request"
 #: The options ``hsx.request`` records, in the order a conflict names them.
-OPTIONS = ("codec", "layers", "loss", "include_output_tokens", "max_tokens")
+OPTIONS = ("codec", "layers", "loss", "include_output_tokens", "max_tokens", "tokens", "ttl_s")
 
 
 class Found(Extraction):
@@ -61,7 +71,8 @@ class Found(Extraction):
 
 def request_options(state: ApiState, options: ExtractOptions) -> dict[str, Any]:
     """What a request asks of an object besides its token ids and metadata, resolved the
-    way the engine resolves it (the default codec, all served layers)."""
+    way the engine resolves it (the default codec, all served layers, the default TTL
+    already in ``options.ttl_s``), as JSON values."""
     layers = state.extractor.layer_ids if options.layers is None else options.layers
     return {
         "codec": str(options.codec),
@@ -69,6 +80,8 @@ def request_options(state: ApiState, options: ExtractOptions) -> dict[str, Any]:
         "loss": options.loss,
         "include_output_tokens": options.include_output_tokens,
         "max_tokens": options.max_tokens if options.include_output_tokens else None,
+        "tokens": json.loads(selection_json(options.tokens)),
+        "ttl_s": options.ttl_s,
     }
 
 
@@ -231,6 +244,9 @@ def _recorded_options(metadata: Mapping[str, str]) -> dict[str, Any]:
         options = json.loads(text)
     except (ValueError, RecursionError):
         options = None
-    if not isinstance(options, dict) or set(options) != set(OPTIONS):
+    if not isinstance(options, dict) or not set(options) <= set(OPTIONS):
         raise ValueError(f"its {REQUEST_KEY!r} metadata is not the options of a request")
+    missing = [name for name in OPTIONS if name not in options]
+    if missing:  # an older hsx's record: it cannot say which object it is
+        raise ValueError(f"its {REQUEST_KEY!r} metadata does not record {', '.join(missing)}")
     return options

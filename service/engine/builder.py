@@ -161,7 +161,7 @@ def engine_args(
         # Hybrid prefix caching takes a Mamba "align" path through Triton: GPU only.
         prefix_caching = not (info.hybrid and cpu)
     connector = ConnectorConfig(
-        model_name=info.name,
+        model_name=served_model_name(info.name),
         completion_address=completion_address,
         **({} if completion_secret is None else {"completion_secret": completion_secret}),
         storage=settings.storage,

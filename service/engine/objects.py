@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from service import codecs
 from service.codecs import CODEC_KEY, CODEC_VERSION_KEY, DECODED_FROM_KEY, TOKENS_KEY, Codec
+from service.engine.builder import served_model_name
 from service.engine.provenance import METADATA_PREFIX
 
 if TYPE_CHECKING:
@@ -66,14 +67,20 @@ def object_metadata(
 ) -> dict[str, str]:
     """The ``__metadata__`` of one object: ours, the server's ``provenance``
     (``Provenance.metadata``) and the caller's strings (``extra``) beside them. The one
-    place they meet: a caller's reserved key never overrides ours."""
+    place they meet: a caller's reserved key never overrides ours.
+
+    ``model`` is the served model as the engine was given it, a hub id or a local
+    path; the object records its served name (``builder.served_model_name``, what
+    ``/v1/models`` answers), never the path: every reader of an object would otherwise
+    learn the server's file system layout (issue 58, L3).
+    """
     meta = {k: v for k, v in (extra or {}).items() if not is_reserved(k)}
     meta.update({k: v for k, v in (provenance or {}).items() if k.startswith(METADATA_PREFIX)})
     meta.update(
         {
             "format": "hsx.hidden_states",
             "format_version": FORMAT_VERSION,
-            "model": model,
+            "model": served_model_name(model),
             "layer_ids": json.dumps(list(layer_ids)),
             "dtype": dtype,
         }

@@ -9,9 +9,20 @@ EngineCore in ``wire.ConnectorConfig`` and is written into every object's
 keys are reserved), and shown by ``/v1/models`` as ``ModelCard.provenance``.
 
 The weights' SHA-256 reads every weight file once: seconds per GB. It is cached per
-file (name, size, mtime) in ``<model>/.hsx-weights-sha256.json``, or under
-``var/cache/`` when the model's directory is read-only, so a restart re-reads only
-files that changed.
+file in ``<model>/.hsx-weights-sha256.json``, or under ``var/cache/`` when the model's
+directory is read-only, so a restart re-reads only files that changed.
+
+What the cache may be trusted with (issue 58, L1): a file's entry is used only while
+its name, size, mtime, inode and ctime all match. Size and mtime alone let a weight
+swapped for another of the same size, its mtime restored (``touch -d``, ``cp -p``,
+``rsync -t``), report the old hash; a swap by rename gets another inode, an edit in
+place a new ctime, which no user can set back (a copy of the directory gets both, and
+is read once more). The cache file itself is read only when it is a regular file owned
+by the server's user (or root) and writable by no one else, its version is this one,
+and each entry has the form this module writes; on any doubt the files are read again
+and the cache rewritten. What is left: the server's own user (or root) can write a
+cache that lies, as it can change the weights or hsx itself; the hash says what the
+server read, not that nobody with its rights lied.
 """
 
 from __future__ import annotations
@@ -21,7 +32,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -46,6 +59,11 @@ LAYER_CONVENTION = (
 #: The files whose bytes are the weights (top level of the model's directory).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 CACHE_NAME = ".hsx-weights-sha256.json"
+#: The cache's layout; a cache of another version is read as none (1: no inode, ctime).
+CACHE_VERSION = 2
+#: What must match for a file's cached hash to be used (module doc).
+IDENTITY = ("size", "mtime_ns", "ino", "ctime_ns")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Where the weights' cache goes when the model's directory is read-only.
 FALLBACK_CACHE_DIR = Path("var/cache/hsx")
 _CHUNK = 8 * 1024 * 1024
@@ -153,26 +171,24 @@ def weights_sha256(model_dir: Path, fallback_dir: Path = FALLBACK_CACHE_DIR) -> 
     weight files in name order (``sha256sum *.safetensors | sha256sum`` for a model of
     safetensors only). None when it has no weight files.
 
-    A file whose name, size and mtime are in the cache is not read again; the cache is
-    ``<model_dir>/.hsx-weights-sha256.json``, else one per model under ``fallback_dir``,
-    else none (every start reads the weights).
+    A file whose name, size, mtime, inode and ctime are in the cache is not read
+    again; the cache is ``<model_dir>/.hsx-weights-sha256.json``, else one per model
+    under ``fallback_dir``, else none (every start reads the weights). A cache not to
+    be trusted is read as none (module doc).
     """
     files = weight_files(model_dir)
     if not files:
         return None
     start = time.perf_counter()
     caches = [model_dir / CACHE_NAME, fallback_dir / f"{_path_id(model_dir)}.json"]
-    cached = _read_cache(next((c for c in caches if c.is_file()), caches[0]))
+    cached = next((found for c in caches if (found := _read_cache(c)) is not None), {})
     entries, read = {}, 0
     for file in files:
-        stat = file.stat()
+        identity = _identity(file.stat())  # before the read: a change during it shows next time
         entry = cached.get(file.name)
-        if not entry or (entry.get("size"), entry.get("mtime_ns")) != (
-            stat.st_size,
-            stat.st_mtime_ns,
-        ):
-            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _file_sha(file)}
-            read += stat.st_size
+        if entry is None or {k: entry[k] for k in IDENTITY} != identity:
+            entry = {**identity, "sha256": _file_sha(file)}
+            read += identity["size"]
         entries[file.name] = entry
     if read or entries != cached:
         _write_cache(caches, entries)
@@ -184,6 +200,16 @@ def weights_sha256(model_dir: Path, fallback_dir: Path = FALLBACK_CACHE_DIR) -> 
         read / 1e6,
     )
     return digest
+
+
+def _identity(info: os.stat_result) -> dict[str, Any]:
+    """What a cache entry must match for its hash to be used (``IDENTITY``)."""
+    return {
+        "size": info.st_size,
+        "mtime_ns": info.st_mtime_ns,
+        "ino": info.st_ino,
+        "ctime_ns": info.st_ctime_ns,
+    }
 
 
 def _manifest_sha(lines: Iterable[tuple[str, str]]) -> str:
@@ -204,19 +230,48 @@ def _path_id(model_dir: Path) -> str:
     return hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:32]
 
 
-def _read_cache(path: Path) -> dict[str, dict[str, Any]]:
+def _read_cache(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The well-formed entries of the cache at ``path``; None when there is none to
+    trust: missing, not a regular file, another user's or writable by others, of
+    another version or not JSON. A malformed entry is left out (its file is read)."""
     try:
-        data = json.loads(path.read_text())
+        # Not a link's target, and a FIFO put there must not block the start.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        # Root's too, as sshd trusts its files: an image built as root may hold the cache.
+        if info.st_uid not in (os.getuid(), 0) or info.st_mode & 0o022:
+            log.warning("hsx: not trusting %s (another user's, or writable by others)", path)
+            return None
+        data = json.loads(os.read(fd, info.st_size + 1))
     except (OSError, ValueError):
-        return {}
+        return None
+    finally:
+        os.close(fd)
     files = data.get("files") if isinstance(data, dict) else None
-    return files if isinstance(files, dict) else {}
+    if not isinstance(files, dict) or data.get("version") != CACHE_VERSION:
+        return None
+    return {name: entry for name, entry in files.items() if _well_formed(entry)}
+
+
+def _well_formed(entry: Any) -> bool:
+    """Whether a cache entry has exactly the form ``weights_sha256`` writes."""
+    if not isinstance(entry, dict) or set(entry) != {*IDENTITY, "sha256"}:
+        return False
+    numbers = [entry[k] for k in IDENTITY]
+    if not all(type(n) is int and n >= 0 for n in numbers):  # bool is no size
+        return False
+    return isinstance(entry["sha256"], str) and _SHA256.fullmatch(entry["sha256"]) is not None
 
 
 def _write_cache(paths: list[Path], entries: dict[str, dict[str, Any]]) -> None:
     """Write the cache to the first of ``paths`` that takes it (atomically: a reader
     never sees half a file); none: the hashes live only in this process."""
-    text = json.dumps({"version": 1, "files": entries}, indent=1, sort_keys=True)
+    text = json.dumps({"version": CACHE_VERSION, "files": entries}, indent=1, sort_keys=True)
     for path in paths:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)

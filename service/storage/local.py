@@ -6,20 +6,34 @@ which no valid key segment can (keys start with a letter or digit), so the sweep
 removes stale temp files can never touch a published object.
 
 Expiry (``put(..., expires_at=)``) is kept in a sidecar beside the object: a file named
-``.hsx-exp-<object's name>`` holding the unix seconds as ASCII. A read opens that tiny
-file (a failed open for an object that never expires), so an expired object is a
-NotFoundError at once without reading a byte of it; the sidecar's name cannot be a key
-segment, so listings never show it and no key can overwrite it. Why not in the object:
-its safetensors ``__metadata__`` would need a header read per request and could not be
-changed later; xattrs are not kept by every file system (tmpfs before 6.6, some NFS
-servers) nor by copies; mtime is the listing's publish time. The sidecar is written
-before the object is linked into place, so an object is never visible without its
-expiry, and a put without expiry removes a stale sidecar a crashed writer left.
+``.hsx-exp-<object's name>@<inode>`` holding the unix seconds as ASCII, where ``inode``
+is the object file's. A read stats the object and opens that tiny file (a failed open
+for an object that never expires), so an expired object is a NotFoundError at once
+without reading a byte of it; the sidecar's name cannot be a key segment, so listings
+never show it and no key can overwrite it. Why not in the object: its safetensors
+``__metadata__`` would need a header read per request and could not be changed later;
+xattrs are not kept by every file system (tmpfs before 6.6, some NFS servers) nor by
+copies; mtime is the listing's publish time.
+
+Why the inode is in the name (issue 58, M2): a create-only put has one winner, the
+``link()`` that takes the key, and only the winner may decide the object's expiry. A
+writer records its expiry under its own temp file's inode *before* it links, so an
+object is never visible without its expiry; a loser removes its own record and no one
+else's (no other file holds its inode while its temp file exists, so no live record
+shares its name). An object published without expiry has no record: its writer removes
+a stale one its inode may carry from an earlier file before it links, and records of
+other inodes are never read for it. The sidecar of one name and inode is removed
+before that inode is let go (its file unlinked), so a new file reusing the number
+cannot lose a record it just wrote.
+
 ``clean`` (the API's sweeper) walks the root: it removes expired objects with their
-sidecars, and orphans older than ``stale_temp_s``: temp files, and sidecars with no
-object. A create-only put may take an expired object's key (it is gone for readers);
-both it and the sweep move the expired file aside and check it is the one judged
-expired, so a fresh object linked in between is never removed.
+sidecars, and orphans older than ``stale_temp_s``: temp files, and sidecars whose
+object is gone or is another file now. A sidecar of the older form ``.hsx-exp-<name>``
+(no inode, before issue 58) is adopted by the object it was written for: one whose
+bytes are not newer than it. A create-only put may take an expired object's key (it
+is gone for readers); both it and the sweep move a file aside and check it is the one
+judged (inode and mtime) before removing it, so a fresh object linked in between is
+never removed.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ import errno
 import hashlib
 import logging
 import os
+import stat
 import tempfile
 import time
 import uuid
@@ -71,18 +86,41 @@ EXPIRY_PREFIX = ".hsx-exp-"
 PARALLEL_HASH_BYTES = 1 << 20
 
 
-def expiry_path(path: Path) -> Path:
-    """The sidecar that holds the expiry of the object at ``path``."""
-    return path.with_name(EXPIRY_PREFIX + path.name)
+def expiry_path(path: Path, inode: int) -> Path:
+    """The sidecar that holds the expiry of the file at ``path`` with inode ``inode``."""
+    return path.with_name(f"{EXPIRY_PREFIX}{path.name}@{inode}")
 
 
-def read_expiry(path: Path) -> int | None:
-    """The expiry recorded for the object at ``path``; None when it has none (or the
-    record is unreadable: an object is never made to vanish by a damaged sidecar)."""
+def read_expiry(path: Path, inode: int | None = None) -> int | None:
+    """The expiry recorded for the object at ``path`` (its inode, or the one it has now);
+    None when it has none, is gone, or the record is unreadable: an object is never made
+    to vanish by a damaged sidecar."""
     try:
-        return int(expiry_path(path).read_bytes())
+        inode = path.stat().st_ino if inode is None else inode
+        return int(expiry_path(path, inode).read_bytes())
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
+
+
+def expiry_records(path: Path) -> list[Path]:
+    """Every sidecar naming the object name of ``path``, whatever its inode (or of the
+    older form without one), in name order."""
+    try:
+        names = os.listdir(path.parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(path.with_name(n) for n in names if _sidecar_target(n)[0] == path.name)
+
+
+def _sidecar_target(name: str) -> tuple[str | None, int | None]:
+    """(object name, inode) a sidecar's file name records: inode None for the older form
+    without one; (None, None) for a name that is no sidecar."""
+    if not name.startswith(EXPIRY_PREFIX):
+        return None, None
+    target, at, inode = name.removeprefix(EXPIRY_PREFIX).rpartition("@")
+    if at and inode.isdigit():
+        return target, int(inode)
+    return name.removeprefix(EXPIRY_PREFIX), None
 
 
 def root_from_url(url: str) -> Path:
@@ -158,7 +196,13 @@ class LocalStorage(ThreadedStorage):
             path = self.path_for(key)
         except InvalidKeyError:
             raise NotFoundError("no object under this key", operation=operation, key=key) from None
-        if not path.is_file() or is_expired(read_expiry(path)):
+        try:
+            found = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            found = None
+        if found is None or not stat.S_ISREG(found.st_mode):
+            raise NotFoundError("no object under this key", operation=operation, key=key)
+        if is_expired(read_expiry(path, found.st_ino)):
             raise NotFoundError("no object under this key", operation=operation, key=key)
         return path
 
@@ -208,67 +252,38 @@ class LocalStorage(ThreadedStorage):
             fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=final.parent)
         except OSError as exc:
             raise _os_error(exc, "put", key) from exc
-        tmp, moved = Path(tmp_name), False
+        tmp, record, moved = Path(tmp_name), None, False
         try:
             digest = self._write_all(fd, source)
+            record = self._record_expiry(tmp, final, expires_at)
             if self.create_only:
-                # Before the sidecar is touched: a live object's sidecar is its own.
-                self._clear_expired(final, key)
-            self._record_expiry(final, expires_at)
+                self._remove_expired(final)  # its key is free: it is gone for readers
             self._move_into_place(tmp, final, key)
             moved = True
             self._sync_dir(final.parent)
         except BaseException as exc:
-            # The temp file goes on any error. If the move happened but could not be made
-            # durable, the object goes too: a key we do not report must not linger.
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            if moved:
-                with contextlib.suppress(FileNotFoundError):
-                    final.unlink()
+            # Our record and our file go on any error, the record first (module doc). If
+            # the move happened but could not be made durable, the object goes too: a
+            # key we do not report must not linger.
+            for path in (record, tmp, final if moved else None):
+                if path is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
             if isinstance(exc, OSError):
                 raise _os_error(exc, "put", key) from exc
             raise
         return ObjectRef(key, final.as_uri(), source.size, digest)
 
-    def _clear_expired(self, final: Path, key: str) -> None:
-        """Refuse a key a live object holds; free one an expired object holds (it is
-        gone for readers, so its key may be published again: a ``custom_id`` retried
-        after its object expired, before the sweep)."""
-        if final.exists() and not self._remove_expired(final):
-            raise AlreadyExistsError("an object already exists under this key", key=key)
-
-    def _remove_expired(self, final: Path) -> bool:
-        """Remove the object at ``final`` if it has expired; whether it did.
-
-        The file is moved aside atomically and checked to be the one judged expired: a
-        fresh object another writer linked in between is put back, never removed.
-        """
-        try:
-            judged = final.lstat()
-        except FileNotFoundError:
-            return False
-        if not is_expired(read_expiry(final)):
-            return False
-        aside = final.with_name(f"{TEMP_PREFIX}expired-{uuid.uuid4().hex}")
-        try:
-            os.rename(final, aside)
-        except FileNotFoundError:
-            return False  # someone else removed it first
-        ours = aside.lstat().st_ino == judged.st_ino
-        if not ours:
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, final)
-        aside.unlink()
-        return ours
-
-    def _record_expiry(self, final: Path, expires_at: int | None) -> None:
-        """Write (atomically) or remove the sidecar of the object about to be published."""
-        sidecar = expiry_path(final)
+    def _record_expiry(self, tmp: Path, final: Path, expires_at: int | None) -> Path | None:
+        """Record (atomically) the expiry of the object about to be linked from ``tmp``
+        under ``tmp``'s inode, or, with none, remove a stale record of that inode (a
+        crashed writer's whose file had the number before): the record it returns is
+        this writer's alone (module doc)."""
+        sidecar = expiry_path(final, tmp.stat().st_ino)
         if expires_at is None:
             with contextlib.suppress(FileNotFoundError):
-                sidecar.unlink()  # a crashed writer's: it must not expire this object
-            return
+                sidecar.unlink()
+            return None
         fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=final.parent)
         try:
             self._write_all(fd, Source(data=str(int(expires_at)).encode()))
@@ -277,6 +292,24 @@ class LocalStorage(ThreadedStorage):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
             raise
+        return sidecar
+
+    def _remove_expired(self, final: Path, now: float | None = None) -> bool:
+        """Remove the object at ``final`` with its sidecar if it has expired; whether it
+        did (a fresh object another writer linked in between is never removed)."""
+        try:
+            judged = final.lstat()
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(judged.st_mode):
+            return False
+        if not is_expired(read_expiry(final, judged.st_ino), now):
+            return False
+        aside = _take_aside(final, judged)
+        if aside is None:
+            return False
+        _drop(aside, final, judged.st_ino)
+        return True
 
     def _write_all(self, fd: int, source: Source) -> str:
         """Write ``source`` to ``fd`` (fsync'd when configured, then closed); its SHA-256."""
@@ -354,14 +387,18 @@ class LocalStorage(ThreadedStorage):
 
     def _delete(self, key: str) -> None:
         path = self.path_for(key)
-        # The object first: a sidecar left by a failure is an orphan the sweep removes.
-        for file in (path, expiry_path(path)):
-            try:
-                file.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise _os_error(exc, "delete", key) from exc
+        try:
+            judged = path.lstat()
+            if not stat.S_ISREG(judged.st_mode):
+                path.unlink()  # not an object: refused as ever (a directory's EISDIR)
+                return
+            aside = _take_aside(path, judged)
+            if aside is not None:  # else another delete or put came first
+                _drop(aside, path, judged.st_ino)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _os_error(exc, "delete", key) from exc
 
     def _ping(self) -> None:
         if not self.root.is_dir() or not os.access(self.root, os.W_OK | os.X_OK):
@@ -373,13 +410,13 @@ class LocalStorage(ThreadedStorage):
         now = time.time()
         for key in found[:limit]:
             try:
-                stat = (self.root / key).stat()
+                info = (self.root / key).stat()
             except FileNotFoundError:
                 continue  # deleted since the walk saw it
-            if is_expired(read_expiry(self.root / key), now):
+            if is_expired(read_expiry(self.root / key, info.st_ino), now):
                 continue  # gone for readers, even before the sweep
-            created = datetime.fromtimestamp(stat.st_mtime, UTC)
-            objects.append(ObjectInfo(key, stat.st_size, created))
+            created = datetime.fromtimestamp(info.st_mtime, UTC)
+            objects.append(ObjectInfo(key, info.st_size, created))
         more = len(found) > limit
         return ObjectPage(tuple(objects), found[limit - 1] if more else None)
 
@@ -439,19 +476,36 @@ class LocalStorage(ThreadedStorage):
 
     def _clean_one(self, sidecar: Path, now: float, stale: float) -> tuple[int, int]:
         """(expired, orphan) removed for one sidecar: its object if expired, or the
-        sidecar alone once it is older than the grace period and has no object (a
-        writer between its sidecar and its link must not lose its expiry)."""
-        target = sidecar.with_name(sidecar.name.removeprefix(EXPIRY_PREFIX))
-        if not target.is_file():
-            if sidecar.lstat().st_mtime <= stale:
-                sidecar.unlink()
-                return 0, 1
-            return 0, 0
-        if not is_expired(read_expiry(target), now) or not self._remove_expired(target):
-            return 0, 0
-        if is_expired(read_expiry(target), now):  # not a new writer's record by now
-            sidecar.unlink()
-        return 1, 0
+        sidecar alone once it is older than the grace period and its object is gone or
+        is another file (a writer between its record and its link keeps its record)."""
+        name, inode = _sidecar_target(sidecar.name)
+        if not name:  # ".hsx-exp-" alone names no object
+            return 0, _remove_stale(sidecar, stale)
+        target = sidecar.with_name(name)
+        try:
+            found: os.stat_result | None = target.lstat()
+        except FileNotFoundError:
+            found = None
+        if inode is None:
+            return 0, self._adopt(sidecar, target, found, stale)
+        if found is None or found.st_ino != inode or not stat.S_ISREG(found.st_mode):
+            return 0, _remove_stale(sidecar, stale)
+        return int(self._remove_expired(target, now)), 0
+
+    def _adopt(
+        self, sidecar: Path, target: Path, found: os.stat_result | None, stale: float
+    ) -> int:
+        """Give a sidecar of the older form (no inode) to the object it was written for,
+        one whose bytes are not newer than it; else it is an orphan (how many removed)."""
+        judged = sidecar.lstat()
+        if found is None or not stat.S_ISREG(found.st_mode):
+            return _remove_stale(sidecar, stale)
+        if found.st_mtime_ns > judged.st_mtime_ns:  # a dead writer's, before this object
+            return _remove_stale(sidecar, stale)
+        with contextlib.suppress(FileExistsError):  # a record of the object's own wins
+            os.link(sidecar, expiry_path(target, found.st_ino))
+        sidecar.unlink()
+        return 0
 
     def sweep(self, older_than_s: float | None = None) -> int:
         """Remove temp files older than ``older_than_s`` (default: the configured age).
@@ -471,6 +525,46 @@ class LocalStorage(ThreadedStorage):
                         path.unlink()
                         removed += 1
         return removed
+
+
+def _take_aside(path: Path, judged: os.stat_result) -> Path | None:
+    """Move the file at ``path`` to a temp name if it is still the one ``judged`` (its
+    inode and mtime); its new path, or None (gone, or another file now, left in place).
+    The file keeps its inode until the caller unlinks it."""
+    aside = path.with_name(f"{TEMP_PREFIX}gone-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return None  # someone else removed it first
+    moved = aside.lstat()
+    if (moved.st_ino, moved.st_mtime_ns) == (judged.st_ino, judged.st_mtime_ns):
+        return aside
+    with contextlib.suppress(FileExistsError):
+        os.link(aside, path)  # a fresh file linked in between: put it back
+    aside.unlink()
+    return None
+
+
+def _drop(aside: Path, path: Path, inode: int) -> None:
+    """Remove an object moved aside from ``path``: its sidecar while the object still
+    holds the inode the sidecar is named by, then the object."""
+    with contextlib.suppress(FileNotFoundError):
+        expiry_path(path, inode).unlink()
+    aside.unlink()
+
+
+def _remove_stale(path: Path, stale: float) -> int:
+    """Remove the orphan at ``path`` once its mtime is at or before ``stale``; 1 if it
+    did. Moved aside and checked first, like an object: a writer may have just rewritten
+    it."""
+    judged = path.lstat()
+    if judged.st_mtime > stale:
+        return 0
+    aside = _take_aside(path, judged)
+    if aside is None:
+        return 0
+    aside.unlink()
+    return 1
 
 
 def _os_error(exc: OSError, operation: str, key: str) -> StorageError:

@@ -26,10 +26,11 @@ What the storage contract means here (``docs/design.md``, "Mooncake"):
 * Not supported: listing (the master has no ordered key listing; ``list`` raises
   ``NotImplementedError`` and ``GET /objects`` says so), expiry (``expires_at``: the
   trainer deletes what it read), empty objects (Mooncake stores nothing for them; an
-  hsx object always has a header), create-only against a concurrent writer of the same
-  key (checked with ``is_exist`` before the put, and Mooncake keeps the first object
-  where two race; keys are server-made, so two writers of one key do not happen), and
-  an atomic replace where ``create_only`` is off (the old object is removed first).
+  hsx object always has a header), and an atomic replace where ``create_only`` is off
+  (the old object is removed first). Create-only is ``is_exist`` before the put; where
+  two writers race on one key (replicas given one ``custom_id``), Mooncake keeps the
+  first object and answers success to both, so a put under an idempotent key reads
+  the object back and refuses when it is not its own (``_check_won``).
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ from service.storage.base import (
     StoreUsage,
     ThreadedStorage,
 )
-from service.storage.keys import validate_key
+from service.storage.keys import is_idempotent_key, validate_key
 
 log = logging.getLogger(__name__)
 
 # Mooncake's status codes (mooncake-store/include/types.h) that mean something here.
 OBJECT_NOT_FOUND = -704
+REPLICA_IS_NOT_READY = -703  # a put of the key is still under way
 NO_AVAILABLE_HANDLE = -200  # no segment has room for the object
 BUFFER_TOO_SMALL = -600  # the client's transfer buffer cannot hold it
 RPC_FAIL = -900  # the master did not answer
@@ -75,6 +77,8 @@ USAGE_TTL_S = 1.0
 #: answered in over 0.5 s, and the store's series then vanished from a scrape; the
 #: read runs in ``/metrics``'s rendering thread, so this bounds that scrape.
 USAGE_READ_TIMEOUT_S = 2.0
+#: How long a put under an idempotent key waits for a racing writer's put to settle.
+RACE_SETTLE_S = 5.0
 #: How long joining the store waits for the master's port to answer.
 CONNECT_TIMEOUT_S = 5.0
 
@@ -258,7 +262,29 @@ class MooncakeStorage(ThreadedStorage):
         except StorageFullError:
             self._unless_unmounted(key)
             raise
-        return ObjectRef(key, self.uri(key), source.size, source.sha256())
+        ref = ObjectRef(key, self.uri(key), source.size, source.sha256())
+        if self.create_only and is_idempotent_key(key):
+            self._check_won(ref)
+        return ref
+
+    def _check_won(self, ref: ObjectRef) -> None:
+        """Raise AlreadyExistsError unless the object under ``ref.key`` is this put's.
+
+        Two replicas racing on one ``custom_id`` both pass ``is_exist``, and Mooncake's
+        ``put_parts`` keeps the first object while answering success to both: the loser
+        would answer ``created`` for bytes it did not store. Only keys made from a
+        ``custom_id`` can be written twice (every other key is random), so only those
+        are read back, once the other writer's put (if any) has settled.
+        """
+        settled = time.monotonic() + RACE_SETTLE_S
+        while self._store.get_size(ref.key) == REPLICA_IS_NOT_READY:
+            if time.monotonic() > settled:  # another writer's put still holds the key
+                raise AlreadyExistsError(
+                    f"object {ref.key!r} is being written", operation="put", key=ref.key
+                )
+            time.sleep(0.005)
+        if self._head(ref.key).sha256 != ref.sha256:
+            raise AlreadyExistsError(f"object {ref.key!r} exists", operation="put", key=ref.key)
 
     def _unless_unmounted(self, key: str) -> None:
         """A refusal is "full" only if the store has memory: right after a master's

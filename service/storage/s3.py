@@ -14,13 +14,16 @@ multipart one), so it never exists without them: as object tags, ``hsx-expires-a
 rules filter on to delete the bytes (deploy/helm/hsx/README.md); and as user metadata
 ``x-amz-meta-hsx-expires-at``, which HeadObject and GetObject return with no extra
 request (tags need a GetObjectTagging each), so ``head``/``get`` answer NotFoundError
-at once once it has passed. A listing HEADs the page's objects to leave expired ones
-out: one request per listed object, in parallel.
+at once once it has passed. A writer that loses a create-only race (``If-None-Match:
+*``) stores nothing, so it cannot change the winner's expiry (issue 58). A listing
+HEADs the page's objects to leave expired ones out: one request per listed object, in
+parallel.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import threading
@@ -203,17 +206,29 @@ class S3Storage(ThreadedStorage):
             # An expired object is gone for readers, though S3 keeps it until the
             # lifecycle rule runs: its key may be published again (a custom_id retried
             # after expiry). Rare, so checked only after a refusal, not before each put.
-            if not self._holds_expired(key):
+            if not self._free_if_expired(key):
                 raise
-            self._delete(key)
             return self._publish_once(key, source, expires_at)
 
-    def _holds_expired(self, key: str) -> bool:
+    def _free_if_expired(self, key: str) -> bool:
+        """Whether ``key`` may be tried again: its object has expired and is gone now.
+
+        The delete is conditional on the expired object's ETag (``If-Match``): another
+        replica may have replaced it with a fresh object since the HEAD, which a plain
+        delete would remove after its writer was told it was stored (issue 58). That
+        object then refuses this writer (AlreadyExistsError); the create-only put that
+        follows decides between writers that both found the key free.
+        """
+        name = self.object_name(key)
         try:
-            response = self._call("head_object", key, Bucket=self.bucket, Key=self.object_name(key))
+            response = self._call("head_object", key, Bucket=self.bucket, Key=name)
         except NotFoundError:
+            return True  # removed since the refusal
+        if not _expired(response):
             return False
-        return _expired(response)
+        with contextlib.suppress(NotFoundError):  # another writer removed it first
+            self._call("delete_object", key, Bucket=self.bucket, Key=name, IfMatch=response["ETag"])
+        return True
 
     def _publish_once(self, key: str, source: Source, expires_at: int | None) -> ObjectRef:
         name = self.object_name(key)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from service.storage.expiry import EXPIRES_AT_TAG, MAX_TTL_S, TTL_DAYS_TAG
-from service.storage.local import expiry_path
+from service.storage.local import expiry_records, read_expiry
 from service.storage.s3 import S3Storage
 from tests.api.conftest import AUTH_A, AUTH_B, KEYS, fast_settings
 from tests.api.fake import FakeExtractor, fake_extractor, fake_server, serving_in_process
@@ -61,7 +61,7 @@ def test_expired_object_is_404_at_once_even_before_the_sweep(
     with served(tmp_path, extractor, default_ttl_s=1, sweep_interval_s=3600) as client:
         key = client.post("/extract", json=BODY).json()["objects"][0]["key"]
         path = extractor.storage.path_for(key)
-        assert expiry_path(path).exists()
+        assert read_expiry(path) is not None
         assert status(client, key) == 200
         assert [o["key"] for o in client.get("/objects").json()["objects"]] == [key]
         wait_until(lambda: status(client, key) == 404, 5, "expired object still served")
@@ -80,7 +80,7 @@ def test_sweeper_removes_expired_objects_and_counts_them(
         key = client.post("/extract", json=BODY).json()["objects"][0]["key"]
         path = extractor.storage.path_for(key)
         wait_until(lambda: not path.exists(), 10, "the sweeper did not remove the object")
-        assert not expiry_path(path).exists()
+        assert expiry_records(path) == []
         assert status(client, key) == 404
         wait_until(lambda: swept(client, "expired") >= 1, 5, "sweep not counted")
         assert swept(client, "orphan") == 0
@@ -101,7 +101,7 @@ def fresh_forever(extractor: FakeExtractor) -> str:
 def test_without_a_ttl_objects_never_expire(tmp_path: Path, extractor: FakeExtractor) -> None:
     with served(tmp_path, extractor, sweep_interval_s=0.1) as client:
         key = client.post("/extract", json=BODY).json()["objects"][0]["key"]
-        assert not expiry_path(extractor.storage.path_for(key)).exists()
+        assert expiry_records(extractor.storage.path_for(key)) == []
         assert status(client, key) == 200
 
 
@@ -180,7 +180,8 @@ def test_extract_with_ttl_s_on_the_engine_expires_then_is_swept(
     assert response.status_code == 200, response.text
     key = response.json()["objects"][0]["key"]
     path = local_engine.root / key
-    expires = int(expiry_path(path).read_bytes())
+    expires = read_expiry(path)
+    assert expires is not None
     assert start + 1 <= expires <= time.time() + 2  # counted from the worker's publish
     assert client.get(f"/objects/{key}", headers=AUTH_A).status_code == 200
     wait_until(
@@ -192,4 +193,4 @@ def test_extract_with_ttl_s_on_the_engine_expires_then_is_swept(
     swept = local_engine.call(local_engine.extractor.storage.clean())
     assert swept.expired >= 1
     assert not path.exists()
-    assert not expiry_path(path).exists()
+    assert expiry_records(path) == []

@@ -29,7 +29,8 @@ import pytest
 from safetensors.torch import load, save
 
 from service import codecs
-from tests.api.conftest import AUTH_A, KEY_A, ServerThread
+from tests.api.conftest import AUTH_A, KEY_A, KEYS, ServerThread, fast_settings
+from tests.api.fake import fake_extractor, serving_in_process
 from tests.codecs.test_codecs import CORRUPT, rewrite_header
 from tests.engine.conftest import random_prompts
 
@@ -149,6 +150,65 @@ def test_the_same_custom_id_with_other_tokens_is_a_409(
     assert path.read_bytes() == stored  # left as it was
     assert by_id(root) == files  # and no second object
     assert engine_runs(client) == before
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_the_same_custom_id_with_another_selection_or_expiry_is_a_409(
+    client: httpx.Client, local_engine: ServerThread
+) -> None:
+    # Issue 58, M2: an object stored with tokens "last" was `found`, shape [1, 3, 128],
+    # for "all", and for "mean" with the last row instead of a mean; one stored with
+    # ttl_s 3 was `found` for a request without a TTL, then a 404 4 s later.
+    root = local_engine.root  # type: ignore[attr-defined]
+    prompt = random_prompts([12], seed=65)[0]
+    last = {"prompts": [{"token_ids": prompt, "custom_id": "sel-last"}], "tokens": "last"}
+    # Long enough to outlive the test on a slow machine: a 409 needs the object there.
+    short = {"prompts": [{"token_ids": prompt, "custom_id": "ttl-600"}], "ttl_s": 600}
+    made = [client.post("/extract", json=body, headers=AUTH_A) for body in (last, short)]
+    assert [r.status_code for r in made] == [200, 200], [r.text for r in made]
+    objects = [r.json()["objects"][0] for r in made]
+    assert objects[0]["shape"][0] == 1  # one row: the last token's
+    paths = [root / o["key"] for o in objects]
+    stored, before = [p.read_bytes() for p in paths], engine_runs(client)
+    for body, says in (
+        ({**last, "tokens": "all"}, "other tokens ('last' stored, 'all' asked)"),
+        ({**last, "tokens": "mean"}, "other tokens ('last' stored, 'mean' asked)"),
+        ({"prompts": short["prompts"]}, "other ttl_s (600 stored, None asked)"),
+        ({**short, "ttl_s": 601}, "other ttl_s (600 stored, 601 asked)"),
+    ):
+        again = client.post("/extract", json=body, headers=AUTH_A)
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["type"] == "conflict"
+        assert says in again.json()["objects"][0]["error"]["message"]
+    found = client.post("/extract", json=last, headers=AUTH_A)  # as it was asked: found
+    assert found.status_code == 200, found.text
+    assert (found.json()["objects"][0]["status"], found.json()["objects"][0]["sha256"]) == (
+        "found",
+        objects[0]["sha256"],
+    )
+    assert [p.read_bytes() for p in paths] == stored  # left as they were
+    assert engine_runs(client) == before
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_an_objects_metadata_names_the_served_model_never_its_path(
+    client: httpx.Client, local_engine: ServerThread
+) -> None:
+    # Issue 58, L3: every object's `model` was the server's path to the model, which
+    # every reader of an object learnt. It is the name /v1/models answers now.
+    body = {"prompts": [{"token_ids": [7, 8, 9], "custom_id": "served-name"}]}
+    made = client.post("/extract", json=body, headers=AUTH_A)
+    assert made.status_code == 200, made.text
+    fetched = client.get(f"/objects/{made.json()['objects'][0]['key']}", headers=AUTH_A)
+    assert fetched.status_code == 200
+    metadata = codecs.read_metadata(fetched.content)
+    (served,) = [m["id"] for m in client.get("/v1/models", headers=AUTH_A).json()["data"]]
+    assert metadata["model"] == served
+    path = str(local_engine.settings.engine.model)
+    assert path != served
+    assert not [k for k, v in metadata.items() if path in v or str(local_engine.root) in v]
 
 
 @pytest.mark.engine
@@ -276,7 +336,7 @@ async def assert_conflict(
     app_client: httpx.AsyncClient, fake: Any, path: Path, body: dict[str, Any], says: str
 ) -> None:
     """``body`` is a 409 whose one prompt's error says ``says``; nothing changed."""
-    stored, submitted = path.read_bytes(), fake.submitted
+    stored, submitted, files = path.read_bytes(), fake.submitted, set(path.parent.iterdir())
     response = await app_client.post("/extract", json=body, headers=AUTH_A)
     assert response.status_code == 409, response.text
     answer = response.json()
@@ -288,7 +348,8 @@ async def assert_conflict(
     assert says in outcome["error"]["message"], outcome["error"]["message"]
     assert path.read_bytes() == stored  # left as it was
     assert fake.submitted == submitted  # the engine did not run
-    assert {p.name for p in path.parent.iterdir()} == {path.name}  # no second object
+    assert set(path.parent.iterdir()) == files  # no second object, no other expiry
+    assert {p.name for p in files if not p.name.startswith(".")} == {path.name}
 
 
 @pytest.mark.parametrize(
@@ -305,6 +366,9 @@ async def assert_conflict(
         ({"metadata": {"split": "test"}}, "other metadata (keys 'split' differ)"),
         ({"metadata": {}}, "other metadata (keys 'split' differ)"),
         ({"metadata": {"split": "train", "n": "1"}}, "other metadata (keys 'n' differ)"),
+        ({"tokens": "last"}, "other tokens ('all' stored, 'last' asked)"),
+        ({"tokens": {"start": 0, "end": 2}}, "other tokens ('all' stored, {'start': 0, 'end': 2}"),
+        ({"ttl_s": 60}, "other ttl_s (None stored, 60 asked)"),
     ],
 )
 async def test_a_custom_id_sent_with_another_request_is_a_409_naming_it(
@@ -345,6 +409,34 @@ async def test_the_same_request_is_found_and_max_tokens_matters_with_output_toke
     assert "other max_tokens (3 stored, 4 asked)" in longer.json()["objects"][0]["error"]["message"]
 
 
+async def test_a_selection_and_an_expiry_are_found_only_as_they_were_asked(
+    app_client: httpx.AsyncClient, fake: Any
+) -> None:
+    # Issue 58, M2: tokens and ttl_s were not recorded, so `last` was found for `all`
+    # and an object that expires was found for a request without a TTL.
+    asked = {**FIRST, "tokens": {"start": 1, "end": 3}, "ttl_s": 3600}
+    made = await app_client.post("/extract", json=asked, headers=AUTH_A)
+    assert made.status_code == 200, made.text
+    obj = made.json()["objects"][0]
+    path = fake.storage.root / obj["key"]
+    again = await app_client.post("/extract", json=asked, headers=AUTH_A)
+    assert again.status_code == 200, again.text
+    assert (again.json()["objects"][0]["status"], again.json()["objects"][0]["sha256"]) == (
+        "found",
+        obj["sha256"],
+    )
+    await assert_conflict(
+        app_client, fake, path, {**asked, "ttl_s": 60}, "other ttl_s (3600 stored, 60 asked)"
+    )
+    await assert_conflict(
+        app_client,
+        fake,
+        path,
+        {**asked, "tokens": {"start": 1, "end": -1}},
+        "other tokens ({'end': 3, 'start': 1} stored, {'start': 1, 'end': -1} asked)",
+    )
+
+
 async def test_different_requests_in_flight_for_one_custom_id_never_share_a_run(
     app_client: httpx.AsyncClient, fake: Any
 ) -> None:
@@ -365,6 +457,65 @@ async def test_different_requests_in_flight_for_one_custom_id_never_share_a_run(
     loser = answers[409].json()["objects"][0]["error"]["message"]
     assert "other token ids (4 stored, 4 in this prompt)" in loser
     assert stored in ([5, 6, 7, 8], [1, 2, 3, 4])
+
+
+#: Rounds of the two-replica race (the red team saw 8 of 20 go wrong).
+RACE_ROUNDS = 20
+
+
+async def test_two_replicas_racing_with_and_without_a_ttl_never_create_what_then_expires(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    # Issue 58, M2: two replicas on one root, one request with ttl_s and one without,
+    # both past their lookup. The no-TTL one was answered `created` and its object
+    # expired 3 s later (8 of 20 rounds): the loser rewrote the winner's expiry, and the
+    # other request was `found` whatever its TTL. One wins now; the other is a 409.
+    replicas = [fake_extractor(tmp_path / "objects", tokenizer_dir) for _ in range(2)]
+    async with (
+        serving_in_process(fast_settings(tmp_path), replicas[0], KEYS) as (_, first),
+        serving_in_process(fast_settings(tmp_path), replicas[1], KEYS) as (_, second),
+    ):
+        created = [await _race(first, second, replicas, i) for i in range(RACE_ROUNDS)]
+        expiring = [key for key, ttl in created if ttl]
+        deadline = time.monotonic() + 10
+        while not all([await _gone(first, key) for key in expiring]):
+            assert time.monotonic() < deadline, "an object created with ttl_s did not expire"
+            await asyncio.sleep(0.05)
+        for key, ttl in created:
+            if not ttl:  # answered `created` without a TTL: still there, past every TTL
+                assert (await first.get(f"/objects/{key}", headers=AUTH_A)).status_code == 200
+
+
+async def _race(
+    first: httpx.AsyncClient, second: httpx.AsyncClient, replicas: list[Any], round_: int
+) -> tuple[str, bool]:
+    """One round: a prompt with ttl_s on one replica and without on the other (which
+    one alternates, and so does which is let go first), both held past their lookup
+    and let go together. The created object's key and whether its request had a TTL."""
+    prompt = {"token_ids": [5, 6, 7, 8, 9, 10], "custom_id": f"race-{round_}"}
+    for fake in replicas:
+        fake.gate.clear()
+        fake.held.add(len(prompt["token_ids"]))
+    clients = (first, second) if round_ % 2 else (second, first)
+    answers = asyncio.gather(
+        clients[0].post("/extract", json={"prompts": [prompt], "ttl_s": 2}, headers=AUTH_A),
+        clients[1].post("/extract", json={"prompts": [prompt]}, headers=AUTH_A),
+    )
+    while sum(fake.waiting for fake in replicas) < 2:
+        await asyncio.sleep(0.005)
+    for fake in replicas if round_ % 4 < 2 else replicas[::-1]:
+        fake.gate.set()
+    with_ttl, without = await answers
+    assert sorted([with_ttl.status_code, without.status_code]) == [200, 409]
+    winner, loser = (with_ttl, without) if with_ttl.status_code == 200 else (without, with_ttl)
+    assert "other ttl_s (" in loser.json()["objects"][0]["error"]["message"]
+    made = winner.json()["objects"][0]
+    assert made["status"] == "created"
+    return made["key"], winner is with_ttl
+
+
+async def _gone(client: httpx.AsyncClient, key: str) -> bool:
+    return (await client.get(f"/objects/{key}", headers=AUTH_A)).status_code == 404
 
 
 async def test_metadata_the_server_records_cannot_be_sent_with_a_custom_id(
@@ -388,6 +539,12 @@ def _with_request_record(data: bytes, record: str | None) -> bytes:
     return rewrite_header(data, change)
 
 
+def _older_record(data: bytes) -> str:
+    """The object's ``hsx.request`` as hsx wrote it before issue 58: no tokens, no ttl_s."""
+    record = json.loads(codecs.read_metadata(data)["hsx.request"])
+    return json.dumps({k: v for k, v in record.items() if k not in ("tokens", "ttl_s")})
+
+
 #: Stored objects whose token ids match the prompt's but that cannot be read as an
 #: object under a custom_id (issue 26, finding 7: these answered 500).
 UNREADABLE: dict[str, Any] = {
@@ -403,6 +560,9 @@ UNREADABLE: dict[str, Any] = {
     "no hsx.request": lambda good: _with_request_record(good, None),
     "hsx.request not JSON": lambda good: _with_request_record(good, "{codec"),
     "hsx.request a list": lambda good: _with_request_record(good, "[]"),
+    "hsx.request without tokens and ttl_s": lambda good: _with_request_record(
+        good, _older_record(good)
+    ),
     **{name: lambda good, make=make: make() for name, (make, _) in CORRUPT.items()},
 }
 

@@ -58,7 +58,7 @@ async def test_metadata_names_model_layers_dtype_and_caller_strings(llama: Any) 
     assert meta["layer_ids"] == "[0, 1, 2, 4]"
     assert meta["dtype"] == "float32"
     assert meta["format_version"] == "1"
-    assert meta["model"] == llama.info.name  # a caller cannot override ours
+    assert meta["model"] == served_model_name(llama.info.name)  # a caller cannot override ours
     assert meta["run"] == "r1"
 
 

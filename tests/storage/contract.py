@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import pytest
 
@@ -22,8 +23,10 @@ from service.storage import (
     NotFoundError,
     Storage,
 )
-from service.storage.base import ObjectInfo
-from service.storage.keys import new_object_key
+from service.storage.base import ObjectInfo, ObjectRef
+from service.storage.keys import idempotent_key, new_object_key
+
+T = TypeVar("T")
 
 # Above the 1 MiB threshold the S3 tests set, and spanning three 5 MiB parts.
 BIG = 11 * 1024 * 1024 + 123
@@ -40,6 +43,10 @@ def fresh_key(namespace: str = "tenant-a") -> str:
 
 class StorageContract:
     """What every backend guarantees."""
+
+    #: Why the store under test cannot settle a create-only race atomically (a test
+    #: double's limit, not the backend's); None: it can.
+    racy_create_only: str | None = None
 
     @pytest.mark.parametrize("size", [0, 1, 4096, 1024 * 1024 + 7])
     async def test_round_trip_is_byte_exact(self, storage: Storage, size: int) -> None:
@@ -273,6 +280,60 @@ class StorageContract:
         with pytest.raises(AlreadyExistsError):
             await storage.put(key, b"third")
 
+    async def test_racing_puts_with_and_without_expiry_keep_the_winners_expiry(
+        self, storage: Storage
+    ) -> None:
+        # Issue 58, M2: two replicas racing one key, one with an expiry and one without.
+        # The loser rewrote or removed the winner's expiry, so an object answered as
+        # published forever expired (8 of 20 rounds), or one that should expire did not.
+        if not storage.expires:
+            pytest.skip("this store cannot expire objects")
+        if self.racy_create_only:
+            pytest.skip(self.racy_create_only)
+        expires = int(time.time()) + 2
+        won: dict[str, bytes] = {}
+        for round_ in range(RACE_ROUNDS):
+            key = fresh_key("tenant-r")
+            puts = {
+                b"expires": storage.put(key, b"expires", expires_at=expires),
+                b"forever": storage.put(key, b"forever"),
+            }
+            order = list(puts) if round_ % 2 else list(puts)[::-1]  # who starts first
+            results = await asyncio.gather(*(puts[o] for o in order), return_exceptions=True)
+            (winner,) = [o for o, r in zip(order, results, strict=True) if isinstance(r, ObjectRef)]
+            assert [type(r) for r in results if not isinstance(r, ObjectRef)] == [
+                AlreadyExistsError
+            ]
+            won[key] = winner
+        expiring = [key for key, data in won.items() if data == b"expires"]
+        await eventually(
+            lambda: _none_exists(storage, expiring), 10, "an expiring winner did not expire"
+        )
+        for key, data in won.items():
+            if data == b"forever":  # answered as published without expiry: still there
+                assert await storage.get(key) == b"forever"
+
+    async def test_racing_puts_of_one_idempotent_key_have_one_winner(
+        self, storage: Storage
+    ) -> None:
+        # Two replicas given one custom_id write its key at once: one is told it stored
+        # the object, the other AlreadyExistsError, and the object is the winner's.
+        # (Mooncake told both "stored", in 18 of 20 rounds, and kept the first.)
+        if self.racy_create_only:
+            pytest.skip(self.racy_create_only)
+        for round_ in range(RACE_ROUNDS):
+            custom_id = f"race-{round_}-{os.getpid()}-{time.time_ns()}"
+            key = idempotent_key("hsx", "tenant-r", custom_id=custom_id, model="m",
+                                 layer_ids=[1], dtype="float32")  # fmt: skip
+            data = [b"first replica's object", b"second replica's object!"]
+            results = await asyncio.gather(
+                *(storage.put(key, d) for d in data), return_exceptions=True
+            )
+            won = [d for d, r in zip(data, results, strict=True) if isinstance(r, ObjectRef)]
+            lost = [type(r) for r in results if not isinstance(r, ObjectRef)]
+            assert (len(won), lost) == (1, [AlreadyExistsError]), results
+            assert await storage.get(key) == won[0]
+
     async def test_clean_keeps_what_has_not_expired(self, storage: Storage) -> None:
         live, forever = fresh_key(), fresh_key()
         await storage.put(live, b"live", expires_at=int(time.time()) + 3600)
@@ -296,6 +357,27 @@ class StorageContract:
         with pytest.raises(InvalidKeyError):
             await storage.delete_many([key, "hsx/../escape"])
         assert await storage.get(key) == b"x"
+
+
+#: Rounds of the expiry race. The red team saw 8 of 20 replica rounds go wrong; here,
+#: two threads of one process, the old local backend failed 11 of 12 such 50-round runs.
+RACE_ROUNDS = 50
+
+
+async def _none_exists(storage: Storage, keys: list[str]) -> bool:
+    return not any([await storage.exists(key) for key in keys])
+
+
+async def eventually(check: Callable[[], Awaitable[T | None]], timeout_s: float, message: str) -> T:
+    """Await ``check()`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await check()
+        if found:
+            return found
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{message} (after {timeout_s:g} s)")
+        await asyncio.sleep(0.05)
 
 
 #: Writes a named entry straight into a backend's store, past ``put``'s key check.

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from service.config import LocalStorageSettings, StorageSettings
 from service.metrics import StorageMetrics
 from service.storage import (
+    AlreadyExistsError,
     InvalidKeyError,
     NotFoundError,
     StorageError,
@@ -36,6 +37,8 @@ from service.storage.local import (
     TEMP_PREFIX,
     LocalStorage,
     expiry_path,
+    expiry_records,
+    read_expiry,
     root_from_url,
 )
 from tests.storage.contract import Plant, StorageContract, fresh_key, payload
@@ -273,7 +276,9 @@ async def test_expired_object_is_404_then_gone_from_disk_after_the_sweep(tmp_pat
     await storage.put(key, payload(5000), expires_at=int(time.time()) + 1)
     await storage.put(kept, b"kept")
     path = storage.path_for(key)
-    assert expiry_path(path).read_bytes().isdigit()  # the sidecar, beside the object
+    (sidecar,) = expiry_records(path)  # beside the object, named by its inode
+    assert sidecar == expiry_path(path, path.stat().st_ino)
+    assert sidecar.read_bytes().isdigit()
     assert await storage.get(key) == payload(5000)
     wait_until(lambda: not path_is_served(storage, key), 5, "object did not expire")
     assert path.exists()  # invisible before the sweep removes its bytes
@@ -295,32 +300,110 @@ async def test_sweep_removes_orphans_past_the_grace_period_only(tmp_path: Path) 
     storage = LocalStorage(tmp_path / "objects", fsync=False, stale_temp_s=60)
     live = fresh_key()
     await storage.put(live, b"live", expires_at=int(time.time()) + 3600)
-    day = storage.path_for(live).parent
+    path = storage.path_for(live)
+    day = path.parent
     old_temp, young_temp = day / f"{TEMP_PREFIX}old", day / f"{TEMP_PREFIX}young"
-    old_sidecar = day / f"{EXPIRY_PREFIX}gone.safetensors"  # its object was never linked
-    young_sidecar = day / f"{EXPIRY_PREFIX}coming.safetensors"  # a writer about to link
-    for orphan in (old_temp, young_temp, old_sidecar, young_sidecar):
+    old_sidecar = expiry_path(day / "gone.safetensors", 7)  # its object was never linked
+    young_sidecar = expiry_path(day / "coming.safetensors", 8)  # a writer about to link
+    other_file = expiry_path(path, path.stat().st_ino + 1)  # an earlier file's, replaced
+    nameless = day / EXPIRY_PREFIX  # names no object at all
+    old = (old_temp, old_sidecar, other_file, nameless)
+    for orphan in (*old, young_temp, young_sidecar):
         orphan.write_bytes(b"1")
-    for old in (old_temp, old_sidecar):
-        os.utime(old, (0, 0))
-    assert await storage.clean() == Swept(expired=0, orphan=2)
-    assert [p.exists() for p in (old_temp, old_sidecar)] == [False, False]
+    for orphan in old:
+        os.utime(orphan, (0, 0))
+    assert await storage.clean() == Swept(expired=0, orphan=4)
+    assert [p.exists() for p in old] == [False] * 4
     assert [p.exists() for p in (young_temp, young_sidecar)] == [True, True]
     assert await storage.get(live) == b"live"
+    assert expiry_records(path) == [expiry_path(path, path.stat().st_ino)]  # its own stays
     await storage.close()
 
 
-async def test_a_stale_sidecar_does_not_expire_a_new_object(tmp_path: Path) -> None:
-    # A writer that died between its sidecar and its link leaves the sidecar; the next
+async def test_a_stale_record_of_another_file_does_not_expire_a_new_object(
+    tmp_path: Path,
+) -> None:
+    # A writer that died between its record and its link leaves the record; the next
     # object under that key, put without expiry, must not inherit it.
     storage = LocalStorage(tmp_path / "objects", fsync=False)
     key = fresh_key()
-    sidecar = expiry_path(storage.path_for(key))
-    sidecar.parent.mkdir(parents=True)
-    sidecar.write_bytes(b"1")
+    path = storage.path_for(key)
+    path.parent.mkdir(parents=True)
+    stale = [expiry_path(path, 12345), path.with_name(EXPIRY_PREFIX + path.name)]
+    for record in stale:
+        record.write_bytes(b"1")  # expired long ago
     await storage.put(key, b"new")
     assert await storage.get(key) == b"new"
-    assert not sidecar.exists()
+    assert [o.key for o in (await storage.list("hsx/")).objects] == [key]
+    await storage.close()
+
+
+async def test_a_stale_record_of_the_writers_own_inode_is_removed_before_it_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # File systems reuse inode numbers: a crashed writer's record may name the inode
+    # the next writer's temp file gets. Hand the writer such a temp file.
+    storage = LocalStorage(tmp_path / "objects", fsync=False)
+    key = fresh_key()
+    path = storage.path_for(key)
+    path.parent.mkdir(parents=True)
+    fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+    inode = os.fstat(fd).st_ino
+    expiry_path(path, inode).write_bytes(b"1")  # expired long ago
+    real, handed = tempfile.mkstemp, [(fd, name)]
+    monkeypatch.setattr(tempfile, "mkstemp", lambda **kw: handed.pop() if handed else real(**kw))
+    await storage.put(key, b"new")
+    assert path.stat().st_ino == inode  # the writer's file is the one the record named
+    assert await storage.get(key) == b"new"
+    assert expiry_records(path) == []
+    await storage.close()
+
+
+async def test_the_loser_of_a_create_only_put_leaves_the_winners_expiry_alone(
+    tmp_path: Path,
+) -> None:
+    storage = LocalStorage(tmp_path / "objects", fsync=False)
+    soon = int(time.time()) + 3600
+    expiring, forever = fresh_key(), fresh_key()
+    await storage.put(expiring, b"first", expires_at=soon)
+    with pytest.raises(AlreadyExistsError):
+        await storage.put(expiring, b"second")  # without expiry: must not remove it
+    with pytest.raises(AlreadyExistsError):
+        await storage.put(expiring, b"third", expires_at=soon + 60)  # nor rewrite it
+    await storage.put(forever, b"first")
+    with pytest.raises(AlreadyExistsError):
+        await storage.put(forever, b"second", expires_at=int(time.time()) - 1)
+    assert read_expiry(storage.path_for(expiring)) == soon
+    assert expiry_records(storage.path_for(forever)) == []
+    assert [await storage.get(k) for k in (expiring, forever)] == [b"first", b"first"]
+    assert files_under(storage.root) == sorted(
+        [
+            storage.path_for(expiring),
+            storage.path_for(forever),
+            *expiry_records(storage.path_for(expiring)),
+        ]
+    )
+    await storage.close()
+
+
+async def test_a_record_of_the_older_form_is_adopted_by_its_object(tmp_path: Path) -> None:
+    # Before issue 58 a sidecar was ``.hsx-exp-<name>``, written after the object's
+    # bytes: the sweep gives it to that object, and an older one (a dead writer's,
+    # before this object) to none.
+    storage = LocalStorage(tmp_path / "objects", fsync=False, stale_temp_s=60)
+    adopted, kept = fresh_key(), fresh_key()
+    for key in (adopted, kept):
+        await storage.put(key, b"data")
+    legacy = storage.path_for(adopted).with_name(EXPIRY_PREFIX + Path(adopted).name)
+    legacy.write_bytes(str(int(time.time()) - 1).encode())
+    older = storage.path_for(kept).with_name(EXPIRY_PREFIX + Path(kept).name)
+    older.write_bytes(b"1")
+    os.utime(older, (0, 0))
+    assert await storage.clean() == Swept(expired=0, orphan=1)
+    assert not await storage.exists(adopted)  # its expiry holds again
+    assert await storage.get(kept) == b"data"
+    assert await storage.clean() == Swept(expired=1, orphan=0)
+    assert files_under(storage.root) == [storage.path_for(kept)]
     await storage.close()
 
 
@@ -328,7 +411,8 @@ async def test_a_damaged_sidecar_never_hides_an_object(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "objects", fsync=False)
     key = fresh_key()
     await storage.put(key, b"data", expires_at=int(time.time()) - 10)
-    expiry_path(storage.path_for(key)).write_bytes(b"not a time")
+    path = storage.path_for(key)
+    expiry_path(path, path.stat().st_ino).write_bytes(b"not a time")
     assert await storage.get(key) == b"data"
     assert [o.key for o in (await storage.list("hsx/")).objects] == [key]
     await storage.close()

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -38,7 +38,14 @@ from service.storage import (
 )
 from service.storage.base import Swept
 from service.storage.mooncake import MooncakeStorage, parse_mooncake_url
-from tests.storage.contract import BIG, Plant, StorageContract, fresh_key, payload
+from tests.storage.contract import (
+    BIG,
+    Plant,
+    StorageContract,
+    eventually,
+    fresh_key,
+    payload,
+)
 from tests.support.mooncake import MooncakeMaster, running_master
 
 MIB = 1024 * 1024
@@ -47,8 +54,6 @@ SEGMENT = 32 * MIB
 #: Each client's transfer buffer: above the contract's BIG object.
 BUFFER = 16 * MIB
 assert BUFFER > BIG
-
-T = TypeVar("T")
 
 #: A known backend bug, kept visible: strict, so the test fails once it is fixed.
 
@@ -68,18 +73,6 @@ def connect(master: MooncakeMaster, **options: Any) -> MooncakeStorage:
     backend = open_backend(settings_for(master, **options))
     assert isinstance(backend, MooncakeStorage)
     return backend
-
-
-async def eventually(check: Callable[[], Awaitable[T | None]], timeout_s: float, message: str) -> T:
-    """Await ``check()`` until it returns something truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = await check()
-        if found:
-            return found
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{message} (after {timeout_s:g} s)")
-        await asyncio.sleep(0.1)
 
 
 async def put_unless_full(storage: Storage, key: str, data: bytes) -> bool:
