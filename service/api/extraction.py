@@ -33,7 +33,17 @@ T = TypeVar("T")
 access_log = logging.getLogger("hsx.requests")
 log = logging.getLogger(__name__)
 
-__all__ = ["ExtractOptions", "Job", "Outcome", "ensure_serving", "rejections", "run"]
+__all__ = [
+    "ExtractOptions",
+    "Job",
+    "Outcome",
+    "admitted",
+    "discard_unreported",
+    "ensure_serving",
+    "rejections",
+    "run",
+    "run_admitted",
+]
 
 
 Disconnected = Callable[[], Awaitable[None]]
@@ -59,6 +69,25 @@ def ensure_serving(state: ApiState) -> None:
         raise ApiError(503, "unavailable", "the engine is dead")
 
 
+@contextlib.contextmanager
+def admitted(state: ApiState, prompts: int) -> Iterator[None]:
+    """Hold room for ``prompts`` in the queue while the block runs.
+
+    Raises ApiError before the block when the job is not admitted: 503 while the app
+    drains or once the engine has died, 429 when the queue is full.
+    """
+    with rejections(state):
+        ensure_serving(state)
+        if not state.admission.try_admit(prompts):
+            raise ApiError(
+                429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
+            )
+    try:
+        yield
+    finally:
+        state.admission.release(prompts)
+
+
 async def run(state: ApiState, job: Job, disconnected: Disconnected) -> list[Outcome]:
     """Admit ``job`` and run its prompts: an outcome per prompt, in order.
 
@@ -66,13 +95,13 @@ async def run(state: ApiState, job: Job, disconnected: Disconnected) -> list[Out
     client disconnects (499) or the deadline passes (504); the work is then aborted.
     ``disconnected`` returns once the client has gone.
     """
-    prompts = len(job.token_ids)
-    with rejections(state):
-        ensure_serving(state)
-        if not state.admission.try_admit(prompts):
-            raise ApiError(
-                429, "overloaded", "too much work queued; retry later", headers={"Retry-After": "1"}
-            )
+    with admitted(state, len(job.token_ids)):
+        return await run_admitted(state, job, disconnected)
+
+
+async def run_admitted(state: ApiState, job: Job, disconnected: Disconnected) -> list[Outcome]:
+    """:func:`run` for a job already :func:`admitted` (a stream admits it before its
+    first byte, so that a refusal is still an HTTP status): the same errors but 429/503."""
     # From the body's arrival, when the request's deadline was set.
     started = job.deadline - state.settings.limits.request_timeout_s
     try:
@@ -81,8 +110,6 @@ async def run(state: ApiState, job: Job, disconnected: Disconnected) -> list[Out
         reason = "disconnect" if error.status == 499 else "deadline"
         state.metrics.aborted(reason, time.monotonic() - started)
         raise
-    finally:
-        state.admission.release(prompts)
     elapsed = time.monotonic() - started
     state.metrics.record(outcome_of(outcomes), outcomes, elapsed)
     if state.settings.log_json:
@@ -125,23 +152,33 @@ async def _run_prompt(state: ApiState, job: Job, index: int) -> Extraction:
 async def _discard_landed(
     state: ApiState, job: Job, tasks: Sequence[asyncio.Future[Extraction]]
 ) -> None:
-    """Remove the objects of prompts that finished while their request was given up.
+    """Remove the objects of prompts that finished while their request was given up."""
+    landed = [
+        (index, task.result())
+        for index, task in enumerate(tasks)
+        if not task.cancelled() and task.exception() is None
+    ]
+    await discard_unreported(state, job, landed)
+
+
+async def discard_unreported(
+    state: ApiState, job: Job, landed: Sequence[tuple[int, Extraction]]
+) -> None:
+    """Remove the objects (prompt index, object) of a request given up before its client
+    learnt their keys.
 
     Objects under a ``custom_id`` stay: they are found again when the client retries.
     Inline answers were stored nowhere.
     """
-    landed = [
-        task.result().key
-        for custom_id, task in zip(job.custom_ids, tasks, strict=True)
-        if not task.cancelled()
-        and task.exception() is None
-        and custom_id is None
-        and task.result().data is None
+    keys = [
+        extraction.key
+        for index, extraction in landed
+        if job.custom_ids[index] is None and extraction.data is None
     ]
     results = await asyncio.gather(
-        *(state.storage.delete(key) for key in landed), return_exceptions=True
+        *(state.storage.delete(key) for key in keys), return_exceptions=True
     )
-    for key, result in zip(landed, results, strict=True):
+    for key, result in zip(keys, results, strict=True):
         if isinstance(result, BaseException):
             log.error("hsx: could not remove unreported object %s: %s", key, result)
 

@@ -59,10 +59,14 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param = status, message, type, param
         self.headers, self.extra = headers, extra or {}
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
+        """The answer's JSON: vLLM's ``ErrorResponse`` plus hsx's extra fields; also the
+        ``data:`` of an error event once a stream has started."""
         error = {"message": self.message, "type": self.type, "param": self.param}
-        body = {"error": error | {"code": self.status}} | self.extra
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return {"error": error | {"code": self.status}} | self.extra
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     @classmethod
     def from_vllm(cls, error: Any) -> OpenAIError:
@@ -169,7 +173,6 @@ def _absent(value: Any) -> bool:
 _GREEDY = "hsx generates greedily and cannot honour it"
 #: Fields of vLLM's completion and chat requests that hsx refuses (400) when set.
 REFUSALS = (
-    Refusal("stream", _absent, "streaming is not offered: hsx answers once objects are durable"),
     Refusal("n", lambda v: v in (None, 1), "one choice per prompt only"),
     Refusal("best_of", lambda v: v in (None, 1), "one choice per prompt only"),
     Refusal("use_beam_search", _absent, "beam search is not offered"),

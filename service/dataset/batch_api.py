@@ -56,10 +56,14 @@ def _absent(value: Any) -> bool:
 
 
 _GREEDY = "hsx generates greedily and cannot honour it"
+#: Fields a Batch line may not set though the routes take them: a line's answer is one
+#: output row, as in OpenAI's Batch API, which refuses ``stream`` too.
+BATCH_ONLY = frozenset({"stream"})
 #: Fields the OpenAI routes refuse unless neutral, with the route's reason
-#: (``service.api.openai_protocol.REFUSALS``; a test keeps the two lists alike).
+#: (``service.api.openai_protocol.REFUSALS``; a test keeps the two lists alike), and
+#: ``BATCH_ONLY``'s.
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "stream": (_absent, "streaming is not offered: hsx answers once objects are durable"),
+    "stream": (_absent, "a Batch line is answered whole, as one output row: no streaming"),
     "n": (lambda v: v in (None, 1), "one choice per prompt only"),
     "best_of": (lambda v: v in (None, 1), "one choice per prompt only"),
     "use_beam_search": (_absent, "beam search is not offered"),

@@ -27,7 +27,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from service.dataset.export import ExportError
     from service.dataset.inputs import InputError
     from service.dataset.manifest import FingerprintMismatchError
-    from service.dataset.parity import ParityError
+    from service.dataset.model_choice import ParityError
     from service.dataset.session import RunError
     from service.dataset.store import OutputError
 

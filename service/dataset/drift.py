@@ -36,7 +36,7 @@ def load_tokenizer(model: str) -> Any:
     """The model's tokenizer (and chat template) from a path or Hugging Face id."""
     from transformers import AutoTokenizer
 
-    from service.dataset.parity import ParityError
+    from service.dataset.model_choice import ParityError
 
     try:
         return AutoTokenizer.from_pretrained(model)

@@ -24,7 +24,10 @@ EMPTY = [{"role": "user", "content": ""}]
 
 # (name, path, body, status, param): param None where vLLM's own check names no field.
 CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
-    ("stream", CMPL, {"prompt": IDS, "stream": True}, 400, "stream"),
+    # A stream is refused as an answer is, before its first byte: the same JSON.
+    ("stream n > 1", CMPL, {"prompt": IDS, "stream": True, "n": 2}, 400, "n"),
+    ("stream max_tokens over limit", CMPL, {"prompt": IDS, "stream": True, "max_tokens": 65},
+     400, "max_tokens"),
     ("n > 1", CMPL, {"prompt": IDS, "n": 2}, 400, "n"),
     ("best_of", CMPL, {"prompt": IDS, "best_of": 2}, 400, "best_of"),
     ("beam search", CMPL, {"prompt": IDS, "use_beam_search": True}, 400, "use_beam_search"),
@@ -51,7 +54,8 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None]] = [
     # vLLM's default max_tokens of 16 leaves 496 tokens for the prompt.
     ("prompt + max_tokens too long", CMPL, {"prompt": [1] * 500}, 400, "prompt"),
     ("too many tokens", CMPL, {"prompt": [[1] * 500] * 3, "max_tokens": 1}, 400, "prompt"),
-    ("chat stream", CHAT_URL, {"messages": CHAT, "stream": True}, 400, "stream"),
+    ("chat stream logprobs", CHAT_URL, {"messages": CHAT, "stream": True, "logprobs": True}, 400,
+     "logprobs"),
     ("chat n > 1", CHAT_URL, {"messages": CHAT, "n": 3}, 400, "n"),
     ("chat logprobs", CHAT_URL, {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
     ("chat unknown model", CHAT_URL, {"messages": CHAT, "model": "x"}, 404, "model"),

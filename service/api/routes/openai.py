@@ -3,7 +3,9 @@
 Requests parse with vLLM's protocol models and render with vLLM's renderer
 (``service.api.openai_vllm``); prompts then run through the same path as ``/extract``
 (limits, admission, deadline, disconnect, metrics), so an answer leaves only once
-every object is durable. Each choice carries ``kv_transfer_params`` naming its object
+every object is durable; with ``stream: true`` it is vLLM's server-sent events
+(``service.api.streaming``), each choice's final chunk sent once its object is durable.
+Each choice carries ``kv_transfer_params`` naming its object
 (``hidden_states_path``, ``handle``), as vLLM's ``extract_hidden_states`` connector
 reports them, plus its ``codec``; the top level carries the first prompt's, without an
 inline object's ``data`` (each object's bytes travel once, in its choice). hsx's own
@@ -17,11 +19,11 @@ carry ``num_loss_tokens``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
@@ -43,7 +45,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
     TokenizeResponse,
 )
 
-from service.api import extraction
+from service.api import extraction, streaming
 from service.api.deps import NamespaceDep, StateDep
 from service.api.errors import ApiError
 from service.api.extractor import FrontEnd
@@ -93,15 +95,17 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 RENDER = _errors(400, 404)
-EXTRACT = _errors(400, 404, 429, 502, 503, 504)
+# With `stream: true` the answer is server-sent events (``service.api.streaming``).
+EXTRACT = {200: streaming.STREAMED, **_errors(400, 404, 429, 502, 503, 504)}
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=EXTRACT)
 @bounded("prompt", max_tokens=("max_tokens",), default=16)  # vLLM's default max_tokens
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
-) -> JSONResponse:
-    """Hidden states of each prompt (token ids or text); answers once objects are durable."""
+) -> Response:
+    """Hidden states of each prompt (token ids or text); answers once objects are durable
+    (streamed: each prompt's final chunk once its object is)."""
     many = _is_list_of_prompts(body.prompt)
     field = "prompt[]" if many else "prompt"
     count = len(body.prompt) if many else 1
@@ -116,6 +120,11 @@ async def completions(
     custom_ids = extras.custom_ids(len(prompts))
     shares = _check_prompts(state, options, prompts, spans, custom_ids, field)
     job = Job(namespace, prompts, spans, custom_ids, options, _deadline(request, state), shares)
+    if body.stream:
+        decode = partial(_text, state, skip_special_tokens=body.skip_special_tokens)
+        model = _model(state, body.model)
+        chunks = streaming.CompletionChunks(body, model, prompts, options.max_tokens, decode)
+        return await _stream(request, state, job, field, chunks)
     outcomes = await _extract(request, state, job, field)
     return JSONResponse(_completion(state, body, prompts, outcomes, options).model_dump())
 
@@ -124,8 +133,9 @@ async def completions(
 @bounded("messages", max_tokens=("max_completion_tokens", "max_tokens"), default=1)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, namespace: NamespaceDep
-) -> JSONResponse:
-    """Hidden states of the rendered conversation; answers once the object is durable."""
+) -> Response:
+    """Hidden states of the rendered conversation; answers once the object is durable
+    (streamed: the role at once, the final chunk once the object is durable)."""
     vllm, options, extras = await _checked(state, body, 1, "messages")
     prompt = await _render(request, state, partial(vllm.chat_token_ids, body))
     spans = [await _chat_spans(request, state, body, extras.loss, prompt)]
@@ -133,6 +143,11 @@ async def chat_completions(
     shares = _check_prompts(state, options, [prompt], spans, custom_ids, "messages")
     deadline = _deadline(request, state)
     job = Job(namespace, [prompt], spans, custom_ids, options, deadline, shares)
+    if body.stream:
+        decode = partial(_text, state, skip_special_tokens=body.skip_special_tokens)
+        model = _model(state, body.model)
+        chunks = streaming.ChatChunks(body, model, prompt, options.max_tokens, decode)
+        return await _stream(request, state, job, "messages", chunks)
     (outcome,) = await _extract(request, state, job, "messages")
     return JSONResponse(_chat(state, body, prompt, outcome, options).model_dump())
 
@@ -302,8 +317,25 @@ async def _extract(
     request: Request, state: ApiState, job: Job, prompt_field: str
 ) -> list[Extraction]:
     """Run the rendered prompts as ``/extract`` runs its own (``service.api.extraction``),
-    their token ids checked as ``/extract`` checks token ids; every object durable, or
-    an error."""
+    once checked (``_check_job``); every object durable, or an error."""
+    _check_job(state, job, prompt_field)
+    try:
+        return successes(await extraction.run(state, job, partial(client_disconnected, request)))
+    except ApiError as error:
+        raise OpenAIError.from_api_error(error, prompt_field) from None
+
+
+async def _stream(
+    request: Request, state: ApiState, job: Job, prompt_field: str, chunks: streaming.Chunks
+) -> Response:
+    """``stream: true``: ``_extract``'s checks and admission before the answer starts,
+    then vLLM's chunks as the job runs (``service.api.streaming``)."""
+    _check_job(state, job, prompt_field)
+    return await streaming.open_stream(request, state, job, chunks, prompt_field)
+
+
+def _check_job(state: ApiState, job: Job, prompt_field: str) -> None:
+    """The rendered token ids checked as ``/extract`` checks token ids, while serving."""
     extractor = state.extractor
     try:
         with extraction.rejections(state):
@@ -315,7 +347,6 @@ async def _extract(
                 max_model_len=extractor.max_model_len,
                 limits=state.settings.limits,
             )
-        return successes(await extraction.run(state, job, partial(client_disconnected, request)))
     except ApiError as error:
         raise OpenAIError.from_api_error(error, prompt_field) from None
 
@@ -377,7 +408,7 @@ def _is_list_of_prompts(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
-def _text(state: ApiState, token_ids: tuple[int, ...], skip_special_tokens: bool) -> str:
+def _text(state: ApiState, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
     tokenizer = state.extractor.tokenizer
     if tokenizer is None or not token_ids:
         return ""
