@@ -67,6 +67,16 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff format service tests benchmarks experiments
 	$(VENV)/bin/ruff check --fix service tests benchmarks experiments
 
+# A vLLM release (the next one by default) read against every fingerprint of hsx's
+# touch points (docs/vllm-coupling.md): its wheel is fetched once, without its
+# dependencies, into var/vllm-wheels/, its source unpacked into var/vllm-src/ and read,
+# never imported, so later runs need no network. Fails on a difference not declared for
+# that release; `make vllm-canary VLLM=0.34.0` tries another.
+.PHONY: vllm-canary
+VLLM ?= 0.33.0
+vllm-canary: $(STAMP)
+	$(PY) -m service.engine.vllm_patches.canary --vllm $(VLLM)
+
 # The whole suite, the engine tests included, on TEST_WORKERS pytest-xdist workers
 # (tests sharing an engine stay on one worker: tests/support/schedule.py). The slowest
 # tests are listed at the end, so a test that grows past its share of the budget shows.
@@ -79,7 +89,7 @@ TEST_WORKERS ?= 2
 SUITE_ENV := OMP_WAIT_POLICY=PASSIVE
 # The benches' quick runs (marker bench_smoke) check the benches' rows, not hsx: they
 # run in `make bench-smoke`, not here.
-test: lint
+test: lint vllm-canary
 	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not bench_smoke" --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no vLLM engine, on the same workers.

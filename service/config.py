@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service import codecs
 from service.codecs import Codec
 from service.keyspace import MAX_TTL_S
+from service.vllm_version import SUPPORTED_VLLM
 
 MIB = 1024 * 1024
 #: Mooncake refuses to mount a smaller global segment (setup fails with -600).
@@ -145,7 +146,7 @@ class EngineSettings(BaseModel):
         True,
         description="On CPU, start vLLM's engine processes from a fork server that has "
         "imported vLLM once instead of spawning each (which imports it again, 7-9 s of a "
-        "core per process); see service/engine/prestart.py. No effect where vLLM forks. Per "
+        "core per process); see service/engine/vllm_patches/. No effect where vLLM forks. Per "
         "process: once one engine started this way, later ones in the process do too.",
     )
     cpu_poll_interval_us: int = Field(
@@ -155,7 +156,8 @@ class EngineSettings(BaseModel):
         description="On CPU, with preload_engine_processes: microseconds the engine "
         "processes sleep between two polls of vLLM's shared-memory queues, where vLLM "
         "spins with sched_yield for a second after every read and takes cores from the "
-        "forward pass (0: vLLM's spin). See service/engine/prestart.py and docs/cpu.md.",
+        "forward pass (0: vLLM's spin). See service/engine/vllm_patches/polling.py and "
+        "docs/cpu.md.",
     )
     cpu_poll_spin_us: int = Field(
         2000,
@@ -230,6 +232,13 @@ class EngineSettings(BaseModel):
     )
     extra_args: dict[str, Any] = Field(
         default_factory=dict, description="Other vLLM engine arguments, passed through."
+    )
+    allow_unsupported_vllm: bool = Field(
+        False,
+        description=f"Start with a vLLM release outside the range hsx supports ({SUPPORTED_VLLM}, "
+        "the gpu extra's) instead of refusing at start-up. hsx's patches still check their "
+        "targets: a changed performance patch is left off with a warning, a changed "
+        "correctness patch still stops start-up. See docs/vllm-coupling.md.",
     )
 
     @field_validator("completion_address")

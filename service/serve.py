@@ -103,6 +103,7 @@ def _serve(settings: Settings) -> int:
     from service.storage import scheme_of
 
     startup.check_parallelism(settings.engine)  # settings alone: before any I/O
+    startup.check_vllm(settings.engine)  # settings and vLLM's metadata
     server_settings = settings.server
     secret = server_settings.api_keys
     inline = secret.get_secret_value() if secret is not None else None
@@ -115,6 +116,8 @@ def _serve(settings: Settings) -> int:
         settings = with_demo_model(settings)
         info, layer_ids = startup.check_model(str(settings.engine.model), settings.engine.layer_ids)
         from service.api.app import create_app, mark_draining  # vLLM: after the quick checks
+
+        startup.check_vllm_patches(settings.engine)  # before any engine process starts
         from service.engine.builder import Prepared
         from service.engine.provenance import build_provenance
 
@@ -164,7 +167,7 @@ _FORKS_BESIDE = ("file", "s3")
 
 def _fork_engine_server(settings: Settings) -> None:
     """On CPU, fork the engine processes' fork server from this process now, while it
-    has imported vLLM and run no forward pass (``service.engine.prestart``): it then
+    has imported vLLM and run no forward pass (``service.engine.vllm_patches.forkserver``): it then
     imports about 1 s of modules rather than all of vLLM again."""
     from service.storage import scheme_of
 
@@ -172,7 +175,7 @@ def _fork_engine_server(settings: Settings) -> None:
         return
     if scheme_of(settings.storage.url) not in _FORKS_BESIDE:
         return
-    from service.engine.prestart import fork_server_here
+    from service.engine.vllm_patches.mp_context import fork_server_here
 
     if fork_server_here():
         log.debug("hsx: engine fork server forked from the serving process")

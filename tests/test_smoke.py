@@ -12,7 +12,10 @@ def test_vllm_imports() -> None:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    assert vllm.__version__.startswith("0.32.0")
+    from service.vllm_version import SUPPORTED_VLLM, supported
+
+    # A tripwire: running another release is a decision (docs/vllm-coupling.md).
+    assert supported(vllm.__version__), f"vLLM {vllm.__version__} is not vllm{SUPPORTED_VLLM}"
     assert KVConnectorBase_V1 is not None
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from benchmarks.common import Preforked, Row, Timer
 from experiments.common import print_rows
 from experiments.peer_lab.peer_side import PromptSet
-from service.engine.openmp import parse_cpus
+from service.engine.vllm_patches.openmp import parse_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_PREFIXES = ("peer: ",)

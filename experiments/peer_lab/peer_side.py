@@ -40,7 +40,7 @@ from typing import Any
 from benchmarks.common import fork_engine_server, timed
 from benchmarks.engine_sides import WARM_PROMPTS, Prompts, Side, extraction_side, plain_side
 from service.config import Settings
-from service.engine.openmp import parse_cpus
+from service.engine.vllm_patches.openmp import parse_cpus
 
 SIDES = ("hsx", "hsx-plain", "peer", "stock", "stock-spec", "stock-sync")
 #: The largest chunk of prompt tokens one engine step takes, on every side.

@@ -12,6 +12,7 @@ from service.config import EngineSettings, Settings
 from service.engine.metrics import ExtractorMetrics
 from service.engine.parallel import BIND_VARIABLE, cpu_binding, pipeline_refusal
 from service.engine.provenance import Provenance, build_provenance
+from service.engine.sleep_mode import sleep_mode_refusal
 from service.engine.wire import ConnectorConfig
 from service.storage import Storage, open_storage, scheme_of
 
@@ -125,6 +126,13 @@ def check_pipeline_parallel(engine: EngineSettings) -> None:
         raise ValueError(f"{refusal.setting}: {refusal.problem}; {refusal.fix}")
 
 
+def check_sleep_mode(engine: EngineSettings) -> None:
+    """Refuse ``enable_sleep_mode`` in ``extra_args`` with the words of ``hsx serve``'s
+    start-up check (``service.engine.sleep_mode``): ValueError."""
+    if (refusal := sleep_mode_refusal(engine)) is not None:
+        raise ValueError(f"{refusal.setting}: {refusal.problem}; {refusal.fix}")
+
+
 def pipeline_args(engine: EngineSettings) -> dict[str, Any]:
     """``pipeline_parallel_size`` for vLLM only when it is not 1, which
     ``check_pipeline_parallel`` refuses today: the engine args keep vLLM's default until
@@ -146,12 +154,13 @@ def engine_args(
     """``AsyncEngineArgs`` running ``extract_hidden_states`` with our connector, whose
     writer tags its completions with ``completion_secret`` (the receiver's; None: a
     fresh one nobody listens for). Raises ValueError for pipeline parallelism
-    (``check_pipeline_parallel``)."""
+    (``check_pipeline_parallel``) and sleep mode (``check_sleep_mode``)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     engine = settings.engine
     check_pipeline_parallel(engine)  # no path reaches vLLM with more than one stage
+    check_sleep_mode(engine)  # nor with sleep mode, which vLLM 0.32 would not refuse
     cpu = on_cpu()
     if cpu and engine.dtype in ("bfloat16", "float16"):
         # Spawned CPU workers died with SIGILL in bf16 (docs/cpu.md); fork works.
@@ -219,11 +228,11 @@ def memory_args(engine: EngineSettings, on_cpu: bool) -> dict[str, Any]:
     """vLLM's memory arguments: on CPU a fixed KV-cache size unless the user sizes it.
 
     vLLM's CPU worker reads ``gpu_memory_utilization`` (default 0.9) as a share of NUMA
-    node 0 that must be free when the worker starts, and refuses to start otherwise:
-    on a loaded machine that fails however small the model. With
-    ``kv_cache_memory_bytes`` set it skips that check and only asks that the cache
-    itself fits in the node's free memory (``CPUWorker.__init__`` and
-    ``determine_available_memory`` in vllm/v1/worker/cpu_worker.py). A user's
+    node 0 that it reserves; vLLM 0.32 also refuses to start unless that share is free
+    when the worker starts (``CPUWorker.__init__``; 0.33 dropped that check), which on
+    a loaded machine fails however small the model. With ``kv_cache_memory_bytes`` set
+    it only asks that the cache itself fits in the node's free memory
+    (``determine_available_memory`` in vllm/v1/worker/cpu_worker.py). A user's
     ``VLLM_CPU_KVCACHE_SPACE`` still wins: vLLM's platform applies it after these.
     """
     args: dict[str, Any] = {}

@@ -38,8 +38,10 @@ from service.engine.errors import (
 from service.engine.front_end import VllmFrontEnd
 from service.engine.hugepages import ask_for_huge_pages
 from service.engine.metrics import ExtractorMetrics
-from service.engine.prestart import QueuePolling, use_preloaded_processes
 from service.engine.provenance import Provenance
+from service.engine.vllm_patches.catalog import check_patches
+from service.engine.vllm_patches.mp_context import use_preloaded_processes
+from service.engine.vllm_patches.polling import QueuePolling
 from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
 from service.storage import Storage
 from service.storage.keys import is_idempotent_key, new_object_key
@@ -133,10 +135,16 @@ class Extractor:
         and closes it. ``storage_factory`` ("module:callable") builds the storage
         backend instead of the URL's, in the worker and (unless ``prepared`` opened
         it) here (tests inject storage faults with it; it is instrumented like any
-        backend). Raises ValueError for bad layer ids.
+        backend). Raises ValueError for bad layer ids, and
+        ``vllm_patches.registry.PatchTargetChanged`` where vLLM changed what a
+        correctness patch replaces.
         """
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Every patch the engine's processes will install, checked once here: they take
+        # the result, and a correctness patch whose target changed raises here, not in
+        # a worker (hsx serve has checked already: service.startup.check_vllm_patches).
+        check_patches(settings.engine)
         if prepared is None:
             prepared = prepare(settings, storage_factory)
         bind_cpu_workers(settings.engine.tensor_parallel_size * settings.engine.data_parallel_size)

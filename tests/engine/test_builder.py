@@ -98,3 +98,24 @@ def test_each_rank_gets_its_own_cpus() -> None:
     assert cpu_binding(1, [3]) == "3"
     with pytest.raises(ValueError, match="need at least 4 CPUs"):
         cpu_binding(4, [0, 1])
+
+
+@pytest.mark.parametrize(
+    ("given", "refused"),
+    [(True, True), ("true", True), (1, True), (False, False), ("false", False), ("0", False)],
+)
+def test_sleep_mode_never_reaches_vllm(model_dir: Any, given: Any, refused: bool) -> None:
+    """hsx's connector holds the cache and pinned buffers sleep would free or remap: it
+    answers vLLM 0.33's question with False, and no engine is built asking for it (vLLM
+    0.32 would not ask)."""
+    from service.engine.connector import HsxConnector
+
+    assert HsxConnector.supports_sleep_mode(None) is False  # type: ignore[arg-type]
+    model = str(model_dir("llama"))
+    settings = Settings(engine={"model": model, "extra_args": {"enable_sleep_mode": given}})
+    info = read_model_info(model)
+    if refused:
+        with pytest.raises(ValueError, match=r"^engine\.extra_args: enable_sleep_mode is refused"):
+            engine_args(settings, info, [1], "ipc:///x")
+    else:
+        assert engine_args(settings, info, [1], "ipc:///x").enable_sleep_mode == given

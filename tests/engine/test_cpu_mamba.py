@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.engine.cpu_mamba import causal_conv1d_update_spec
+from service.engine.vllm_patches.cpu_mamba import causal_conv1d_update_spec
 
 WIDTH, DIM = 4, 6
 
@@ -80,7 +80,8 @@ def test_padding_rows_are_skipped(parts: tuple[torch.Tensor, ...]) -> None:
 
 
 def test_vllm_cpu_kernel_still_needs_the_fix(parts: tuple[torch.Tensor, ...]) -> None:
-    """Canary: when vLLM's own CPU kernel gets this row right, drop service/engine/cpu_mamba."""
+    """Canary: when vLLM's own CPU kernel gets this row right, drop the patch
+    (service/engine/vllm_patches/cpu_mamba.py)."""
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
 
     weight, bias, tokens, store = parts

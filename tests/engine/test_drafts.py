@@ -17,7 +17,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
-from service.engine.drafts import drafts_wanted, skip_unused_draft_fetches
+from service.engine.vllm_patches.drafts import drafts_wanted, skip_unused_draft_fetches
 
 
 def request(name: str, state: str) -> Request:

@@ -11,6 +11,7 @@ import pytest
 import pytest_asyncio
 from safetensors.torch import load
 
+from service.engine.builder import served_model_name
 from tests.engine.checks import assert_object_matches, object_metadata
 from tests.engine.conftest import (
     PROMPT_LENGTHS,

@@ -61,7 +61,7 @@ async def test_one_token_last_prefill_chunk_is_exact(hybrid: Any, s3_admin: Any)
     """64k + 1 tokens alone under a 64-token budget: the last chunk is one token.
 
     vLLM runs such a row through the Mamba decode kernels; its CPU conv update read the
-    wrong history there (0.08 relative error) until service/engine/cpu_mamba.py.
+    wrong history there (0.08 relative error) until service/engine/vllm_patches/cpu_mamba.py.
     """
     for length in (65, 129):
         prompt = random_prompts([length], seed=length)[0]

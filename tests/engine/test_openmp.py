@@ -1,11 +1,11 @@
-"""Reading vLLM's OpenMP variables (``service.engine.openmp``): what each runtime's
+"""Reading vLLM's OpenMP variables (``service.engine.vllm_patches.openmp``): what each runtime's
 form names, and nothing for what is absent or not understood."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.engine.openmp import bound_cpus, per_thread_cpus, thread_count
+from service.engine.vllm_patches.openmp import bound_cpus, per_thread_cpus, thread_count
 
 
 @pytest.mark.parametrize(

@@ -188,7 +188,7 @@ def new_workers(before: set[int]) -> list[psutil.Process]:
 async def test_each_worker_computes_on_the_cpus_its_binding_names(parallel: Any) -> None:
     """vLLM's binding (``0|1`` here, one CPU list per rank) holds in every worker,
     although the worker is forked from a server that loaded OpenMP before vLLM set it
-    (``service.engine.openmp``): each worker's main thread, and every thread it started
+    (``service.engine.vllm_patches.openmp``): each worker's main thread, and every thread it started
     but hsx's writer, may run only on its rank's list; the writer's threads run on the
     other CPUs, off the forward pass (``service.engine.writer``)."""
     tp, dp = parallel.test_layout

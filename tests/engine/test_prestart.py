@@ -1,6 +1,6 @@
 """Engine processes started from the preloaded fork server behave as spawned ones do.
 
-No engine: the real fork server (``service.engine.prestart``) and small targets that
+No engine: the real fork server (``service.engine.vllm_patches``) and small targets that
 report what a vLLM process would rely on: the environment and output its parent had
 when it started it (not when the server started), vLLM's process title, and a second
 generation started from the same server.
@@ -17,13 +17,9 @@ import psutil
 import pytest
 
 from service.engine.builder import on_cpu
-from service.engine.prestart import (
-    SERVER_TITLE,
-    QueuePolling,
-    _spin_then_pause,
-    preloaded_context,
-    use_preloaded_processes,
-)
+from service.engine.vllm_patches.forkserver import SERVER_TITLE
+from service.engine.vllm_patches.mp_context import preloaded_context, use_preloaded_processes
+from service.engine.vllm_patches.polling import QueuePolling, spin_then_pause
 from tests.support.processes import wait_until
 
 VARIABLE = "HSX_TEST_PRESTART"
@@ -135,7 +131,7 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
 ) -> None:
     """With an interval, both generations sleep it between polls (50 polls: at least
     50 intervals of wall time, almost no CPU), and with a spin window too their readers
-    wait with ``_spin_then_pause``; with no interval they keep vLLM's sched_yield and
+    wait with ``spin_then_pause``; with no interval they keep vLLM's sched_yield and
     its wait, whatever the spin window."""
     report_path = tmp_path / "report"
     use_preloaded_processes(QueuePolling(interval_s, spin_s))
@@ -157,7 +153,7 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
             assert float(wall) < 50 * 0.002
             assert own == "True"
         spins_first = interval_s and spin_s
-        assert wait == ("_spin_then_pause.<locals>.wait" if spins_first else "SpinCondition.wait")
+        assert wait == ("spin_then_pause.<locals>.wait" if spins_first else "SpinCondition.wait")
 
 
 class Clock:
@@ -203,7 +199,7 @@ def test_each_wait_spins_first_then_sleeps_and_idles_after_vllms_window(
         polls.append(f"idle {timeout_ms}")
         clock.now += 0.5
 
-    wait = _spin_then_pause(idle, spin, QueuePolling(pause_s=2**-11, spin_s=2**-9))
+    wait = spin_then_pause(idle, spin, QueuePolling(pause_s=2**-11, spin_s=2**-9))
     try:
         condition.record_read()
         for _ in range(26):  # 16 spins fill the spin window, then 10 sleeps
@@ -290,14 +286,14 @@ from multiprocessing import forkserver
 
 import psutil
 
-from service.engine import prestart
+from service.engine.vllm_patches import mp_context as preloaded, mp_context
 from tests.support.processes import describe_process
 
 idle = sys.argv[2] == "idle"
 if idle:  # what hsx serve has imported, and set up, when it forks (8 CPU-s)
     import vllm.v1.engine.async_llm
 
-    prestart.use_preloaded_processes()
+    mp_context.use_preloaded_processes()
 port = socket.create_server(("127.0.0.1", 0))
 pool = ThreadPoolExecutor(1)
 pool.submit(int).result()
@@ -306,8 +302,8 @@ if sys.argv[2] == "thread":
     threading.Thread(target=release.wait, daemon=True).start()
 elif sys.argv[2] == "pool task":
     pool.submit(release.wait)
-forked = [prestart.fork_server_here(), prestart.fork_server_here()]
-context = prestart.preloaded_context()
+forked = [preloaded.fork_server_here(), preloaded.fork_server_here()]
+context = preloaded.preloaded_context()
 if not idle:
     # Refused, the server is launched fresh and imports its preload list: what the list
     # holds is not this test's matter (the module's other tests run the real one).

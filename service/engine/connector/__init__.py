@@ -27,7 +27,9 @@ Worker half (``worker.py``)
      not) to the API process.
 
 Only tensor-parallel rank 0 copies and writes; ``get_finished_count`` is 1 so vLLM
-waits for rank 0 alone. What vLLM's example connector got right is kept (group found
+waits for rank 0 alone. Sleep mode is refused (``supports_sleep_mode``): the worker half
+holds the hidden-state cache tensor and pinned copy buffers that sleep would free or
+remap under it. What vLLM's example connector got right is kept (group found
 by spec type, its own block size, save at finish so chunked prefill works); what it
 lacked is added (no CUDA calls on CPU, storage behind our interface, failures reported
 to the caller, keys made by the server, bounded memory, a drained shutdown).
@@ -45,13 +47,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from service.engine.connector.common import HsxConnectorMetadata, find_hidden_state_group
-from service.engine.drafts import skip_unused_draft_fetches
 from service.engine.lifeline import exit_with_parent, exit_without_a_heap_scan, shut_down_cleanly
+from service.engine.vllm_patches.drafts import skip_unused_draft_fetches
 from service.engine.wire import ConnectorConfig
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -145,6 +147,13 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return "LBNHC"  # each token's states together: [blocks, layers, block, hidden]
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """False: sleep would free or remap the KV cache while the worker half holds
+        its hidden-state tensor and pinned copy buffers (vLLM 0.33 asks; on 0.32 hsx
+        refuses ``enable_sleep_mode`` itself, ``service.engine.sleep_mode``)."""
+        return False
 
     # ==============================
     # Worker side

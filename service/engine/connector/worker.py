@@ -70,8 +70,8 @@ class HsxConnectorWorker:
                 f"tensor's {self._cache.shape[2]}; slots would be read from the wrong place"
             )
         if self._cache.device.type == "cpu":
-            from service.engine import cpu_mamba
             from service.engine.allocator import steady_heap
+            from service.engine.vllm_patches import cpu_mamba
 
             cpu_mamba.install()  # every rank: each runs its own Mamba layers
             steady_heap()  # every rank: each runs its own forward pass on the heap

@@ -17,6 +17,10 @@ process is bound to them. ``GOMP_CPU_AFFINITY`` and ``KMP_AFFINITY``'s proclist 
 thread i to the i-th CPU: the team is started and each of its threads pinned so. vLLM's
 CPU platform preloads torch's GNU OpenMP (``LD_PRELOAD``), so what it writes is
 ``GOMP_CPU_AFFINITY``.
+
+This re-implements, for the forked process, what vLLM's variables ask of the OpenMP
+runtime, so it depends on what vLLM writes (``PATCH``'s fingerprint): where that
+changed, the engine processes are spawned as vLLM does it instead of preloaded.
 """
 
 from __future__ import annotations
@@ -27,7 +31,28 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from service.engine.vllm_patches.fingerprints import Digest
+from service.engine.vllm_patches.registry import CPU_ONLY, READ, RUN, Kind, TouchPoint
+
 log = logging.getLogger(__name__)
+
+PATCH = TouchPoint(
+    name="openmp-settings-after-fork",
+    kind=Kind.PERFORMANCE,
+    hsx="service/engine/vllm_patches/openmp.py",
+    target="re-applies the OpenMP thread count and binding that "
+    "vllm.utils.ompmultiprocessing.OMPProcessManager.configure_omp_envs writes",
+    why="a worker forked from the preloaded server loaded OpenMP before vLLM set its "
+    "variables: unapplied, TP=2 on two cores ran four unbound threads",
+    platforms=CPU_ONLY,
+    checked_on={"0.32.0": RUN, "0.33.0": READ},
+    fingerprints=(
+        Digest(
+            "vllm.utils.ompmultiprocessing:OMPProcessManager.configure_omp_envs",
+            {"0.32.0": "e809ad160b7ca7e3", "0.33.0": "e809ad160b7ca7e3"},
+        ),
+    ),
+)
 
 #: Above any CPU number Linux gives (its CPU_SETSIZE is 1024 by default, 8192 at most
 #: in practice): a larger one is a typo, not a set of that size to build.

@@ -13,19 +13,68 @@ and decoded tokens diverged from transformers.
 
 ``install()`` swaps the function that ``mamba_mixer2`` calls, in the worker process
 only, for one that follows the Triton kernel's semantics on the speculative path and
-delegates every other call to vLLM's own CPU function.
+delegates every other call to vLLM's own CPU function. A correctness patch: where the
+CPU function, the Triton kernel's parameters or the call that hands them over are not
+what this was checked against, ``hsx serve`` stops at start-up naming it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
+from service.engine.vllm_patches.fingerprints import Calls, Digest, Params
+from service.engine.vllm_patches.registry import CPU_ONLY, READ, RUN, Kind, TouchPoint, applies
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
+
+_CPU_KERNEL = "vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d"
+_TRITON_PARAMS = (
+    "x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, "
+    "query_start_loc, max_query_len, null_block_id"
+)
+PATCH = TouchPoint(
+    name="cpu-mamba-conv-update",
+    kind=Kind.CORRECTNESS,
+    hsx="service/engine/vllm_patches/cpu_mamba.py",
+    target="replaces vllm.model_executor.layers.mamba.mamba_mixer2.causal_conv1d_update "
+    "(vLLM's CPU causal_conv1d_update_cpu) on the speculative path",
+    why="vLLM's CPU conv update ignores num_accepted_tokens and reads the history one "
+    "column late: wrong Mamba states (0.55 relative error) under extract_hidden_states",
+    platforms=CPU_ONLY,
+    checked_on={"0.32.0": RUN, "0.33.0": READ},
+    fingerprints=(
+        Digest(
+            f"{_CPU_KERNEL}:causal_conv1d_update_cpu",
+            {"0.32.0": "cf2d8caa009a212d", "0.33.0": "cf2d8caa009a212d"},
+        ),
+        Params(
+            "vllm.model_executor.layers.mamba.ops.causal_conv1d:causal_conv1d_update",
+            {
+                "0.32.0": _TRITON_PARAMS + ", block_idx_last_scheduled_token, "
+                "initial_state_idx, validate_data, out",
+                "0.33.0": _TRITON_PARAMS + ", validate_data, out",
+            },
+        ),
+        Calls(
+            "vllm.model_executor.layers.mamba.mamba_mixer2:causal_conv1d_update",
+            dict.fromkeys(
+                ("0.32.0", "0.33.0"),
+                "MambaMixer2.conv_ssm_forward: 5 +conv_state_indices +max_query_len "
+                "+num_accepted_tokens +query_start_loc",
+            ),
+        ),
+    ),
+    notes={
+        "0.33.0": "the Triton kernel dropped its prefix-caching inputs "
+        "(block_idx_last_scheduled_token, initial_state_idx); its speculative path, which "
+        "this follows, is unchanged, and the call and the CPU function are the same"
+    },
+)
 
 
 def causal_conv1d_update_spec(
@@ -48,6 +97,9 @@ def causal_conv1d_update_spec(
     ``state[:, a-1 : a-1 + width-1]``; afterwards columns ``[0, width-2+n)`` hold
     ``history[1:] + x``, so the next step finds its window at ``accepted - 1``.
     """
+    import torch
+    import torch.nn.functional as F
+
     silu = activation is True or activation in ("silu", "swish")
     width = weight.shape[1]
     original_dtype = x.dtype
@@ -103,12 +155,13 @@ def _patched(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
 
 
 def install() -> bool:
-    """Route vLLM's CPU Mamba2 conv update through ours; idempotent. True if installed."""
-    from vllm.model_executor.layers.mamba import mamba_mixer2
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    """Route vLLM's CPU Mamba2 conv update through ours where ``PATCH`` applies (a CPU
+    host); idempotent. True if installed. Raises ``PatchTargetChanged`` where its target
+    is not what it was checked against."""
+    if not applies(PATCH):
         return False
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+
     if not hasattr(mamba_mixer2.causal_conv1d_update, "__wrapped__"):
         mamba_mixer2.causal_conv1d_update = _patched(mamba_mixer2.causal_conv1d_update)
     log.info("hsx: CPU Mamba2 conv update replaced (speculative rows follow the CUDA kernel)")
