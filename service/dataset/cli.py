@@ -59,13 +59,14 @@ def add_parser(commands: Any) -> None:
     export = sub.add_parser("export", help="write a run in a trainer's layout")
     export.add_argument("output", help="the run's --output")
     export.add_argument(
-        "dest", help="a new directory (speculators), or a new JSONL file (openai-batch)"
+        "dest", help="a new directory (trainer layouts), or a new JSONL file (openai-batch)"
     )
     export.add_argument(
         "--format",
-        choices=["speculators", "openai-batch"],
+        choices=["speculators", "specforge", "modelopt", "eagle", "openai-batch"],
         default="speculators",
-        help="speculators' training layout, or OpenAI Batch API output lines",
+        help="a trainer's layout (docs/trainers.md, Trainer layouts), or OpenAI Batch "
+        "API output lines",
     )
     export.add_argument(
         "--storage-url",
@@ -78,8 +79,46 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="export the ok rows of a run that still has undecided rows",
     )
+    _layout_options(export)
     _common(export)
     export.set_defaults(func=_cmd_export)
+
+
+def _layout_options(export: argparse.ArgumentParser) -> None:
+    export.add_argument(
+        "--specforge-layout",
+        choices=["eagle3", "dflash"],
+        default="eagle3",
+        help="specforge: EAGLE-3 (three aux layers and the normed last layer) or "
+        "DFlash/Domino (aux layers only)",
+    )
+    export.add_argument(
+        "--aux-layers",
+        default=None,
+        metavar="IDS",
+        help="comma-separated aux layers in the trainer's ids (the decoder layer whose "
+        "output is taken: hsx id minus one); default: the trainer's own for the model "
+        "(DFlash: every layer the run holds below the last)",
+    )
+    export.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH_OR_HF_ID",
+        help="the served model: its final norm, layer count and vocabulary size "
+        "(default: the run's, only as a Hugging Face id or a directory whose weights "
+        "SHA-256 is the run's)",
+    )
+    export.add_argument(
+        "--compress", action="store_true", help="specforge: gzip each file (.ckpt.gz)"
+    )
+    export.add_argument(
+        "--vocab-map",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also write d2t/t2d of an N-token draft vocabulary from the supervised "
+        "tokens (speculators' d2t-N.npy and t2d-N.npy, ModelOpt's d2t.pt)",
+    )
 
 
 def _common(parser: argparse.ArgumentParser, many: bool = False) -> None:
@@ -305,7 +344,7 @@ def _cmd_verify(settings: Any, args: argparse.Namespace) -> int:
 
 def _cmd_export(settings: Any, args: argparse.Namespace) -> int:
     def work() -> int:
-        from service.dataset.export import export_openai_batch_async, export_speculators_async
+        from service.dataset.export import export_openai_batch_async
 
         if args.format == "openai-batch":
             lines = asyncio.run(
@@ -320,18 +359,39 @@ def _cmd_export(settings: Any, args: argparse.Namespace) -> int:
             )
             print(f"exported {lines} Batch API output lines to {args.dest}")
             return 0
-        key = args.api_key or os.environ.get("HSX_API_KEY")
-        count = asyncio.run(
-            export_speculators_async(
-                args.output,
-                args.dest,
-                args.endpoint,
-                key,
-                s3=_s3(settings, args),
-                allow_partial=args.allow_partial,
-            )
-        )
-        print(f"exported {count} samples to {args.dest}")
-        return 0
+        return _export_layout(settings, args)
 
     return _guarded(work)
+
+
+def _export_layout(settings: Any, args: argparse.Namespace) -> int:
+    from service.dataset.export_record import MANIFEST
+    from service.dataset.trainer_export import ExportOptions, export_async
+
+    options = ExportOptions(
+        format=args.format,
+        specforge_layout=args.specforge_layout,
+        aux_layers=_ids(args.aux_layers, "--aux-layers"),
+        model=args.model,
+        compress=args.compress,
+        vocab_map=args.vocab_map,
+        api_key=args.api_key or os.environ.get("HSX_API_KEY"),
+        s3=_s3(settings, args),
+        allow_partial=args.allow_partial,
+    )
+    done = asyncio.run(export_async(args.output, args.dest, args.endpoint, options))
+    line = f"exported {done.samples} samples to {args.dest}"
+    if done.left_out:
+        line += f" ({len(done.left_out)} rows with non-finite values left out: {MANIFEST})"
+    print(line)
+    return 0
+
+
+def _ids(text: str | None, flag: str) -> list[int] | None:
+    """A comma-separated list of ints; ValueError (exit 2) naming ``flag``."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, not {text!r}") from None

@@ -1,6 +1,8 @@
 """``hsx dataset export``: a run's objects as speculators' trainer reads them
 (``--format speculators``), or as OpenAI Batch API output lines (``--format
-openai-batch``).
+openai-batch``). SpecForge, ModelOpt and EAGLE layouts, and what every trainer export
+writes beside its samples (``hsx-export.json``, ``lengths.jsonl``, vocabulary maps):
+``service.dataset.trainer_export``.
 
 The layout of speculators' ``prepare-data`` + ``data_generation_offline``: a ``datasets``
 directory (``save_to_disk``, torch format) with ``input_ids``, ``loss_mask`` and
@@ -14,22 +16,18 @@ from the object itself, so ids, mask and states cannot disagree.
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from service.client import AsyncHsxClient
 from service.config import S3StorageSettings
 from service.dataset import batch_api
+from service.dataset.layouts import ExportError
 from service.dataset.manifest import Record, load_records
 from service.dataset.store import RunStore, write_problem
+from service.dataset.trainer_export import check_decided
 from service.dataset.verify import run_stores
 
-
-class ExportError(Exception):
-    """The run cannot be exported in this format."""
+__all__ = ["ExportError", "export_openai_batch_async", "export_speculators_async"]
 
 
 async def export_speculators_async(
@@ -45,92 +43,15 @@ async def export_speculators_async(
 
     A run with undecided rows (never sent, or failed retryably) is refused unless
     ``allow_partial``, which exports its ``ok`` rows and says how many are undecided.
-    Raises :class:`ExportError` before anything is written.
+    Raises :class:`ExportError` before anything is written. The other layouts, the
+    manifest and the length index: ``service.dataset.trainer_export``.
     """
-    dest = Path(dest)
-    problem = write_problem(dest)
-    if problem is not None:
-        raise ExportError(f"export target {dest}: {problem}; export into a new directory")
-    if dest.exists() and any(dest.iterdir()):
-        raise ExportError(f"export target {dest}: not empty; export into a new directory")
-    root = RunStore(output, s3)
-    try:
-        samples, input_rows, final = await _samples(root)
-    finally:
-        await root.close()
-    ok = f"{len(samples)} ok rows"
-    _check_decided(output, input_rows, final, allow_partial, f"its {ok}", f"the {ok}")
-    samples.sort(key=lambda pair: (pair[1].row, pair[1].custom_id))
-    from datasets import Dataset  # type: ignore[import-untyped]
+    from service.dataset.trainer_export import ExportOptions, export_async
 
-    try:
-        (dest / "hidden_states").mkdir(parents=True)
-    except OSError as exc:
-        raise ExportError(f"export target {dest}: {exc.strerror or exc}") from None
-    columns: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    async with AsyncHsxClient(endpoint, api_key, timeout=120) as client:
-        limit = asyncio.Semaphore(concurrency)
-
-        async def fetch(index: int, codec: str, key: str) -> tuple[list[int], list[int]]:
-            async with limit:
-                data = await client.get_object(key, decode=codec != "raw")
-            target = dest / "hidden_states" / f"hs_{index}.safetensors"
-            return await asyncio.to_thread(_write_sample, data, target)
-
-        results = await asyncio.gather(
-            *(fetch(i, codec, r.key or "") for i, (codec, r) in enumerate(samples))
-        )
-    for ids, mask in results:
-        columns["input_ids"].append(ids)
-        columns["loss_mask"].append(mask)
-        columns["seq_len"].append(len(ids))
-    dataset = Dataset.from_dict(columns)
-    dataset.set_format(type="torch")
-    await asyncio.to_thread(dataset.save_to_disk, str(dest))
-    await asyncio.to_thread(_token_freq, columns, dest / "token_freq.pt")
-    return len(samples)
-
-
-async def _samples(root: RunStore) -> tuple[list[tuple[str, Record]], int, int]:
-    """The ok rows of every run directory (with their codec), the input's row count
-    and how many rows are decided for good."""
-    samples: list[tuple[str, Record]] = []
-    input_rows, final = 0, 0
-    for store, job in await run_stores(root):
-        if job.fingerprint.loss == "none":
-            raise ExportError(
-                f"{store.url}: the run stored no loss masks; run it with --loss for speculators"
-            )
-        records = await load_records(store)
-        samples += [(job.fingerprint.codec, r) for r in records.values() if r.status == "ok"]
-        input_rows = max(input_rows, job.input_rows)  # each shard's job counts the whole input
-        final += sum(1 for r in records.values() if r.final)
-    return samples, input_rows, final
-
-
-def _write_sample(data: bytes, target: Path) -> tuple[list[int], list[int]]:
-    """Save the object's states and token ids as speculators' file; its ids and mask."""
-    from safetensors.torch import load, save_file
-
-    tensors = load(data)
-    mask = tensors.get("loss_mask")
-    if mask is None:
-        raise ExportError(f"{target.name}: the object holds no loss_mask")
-    save_file(
-        {"hidden_states": tensors["hidden_states"], "token_ids": tensors["token_ids"]},
-        str(target),
+    options = ExportOptions(
+        api_key=api_key, concurrency=concurrency, s3=s3, allow_partial=allow_partial
     )
-    return [int(t) for t in tensors["token_ids"].tolist()], [int(m) for m in mask.tolist()]
-
-
-def _token_freq(columns: dict[str, list[Any]], path: Path) -> None:
-    """speculators' ``token_freq.pt``: {token id: count} over supervised tokens."""
-    import torch
-
-    counts: Counter[int] = Counter()
-    for ids, mask in zip(columns["input_ids"], columns["loss_mask"], strict=True):
-        counts.update(t for t, m in zip(ids, mask, strict=True) if m)
-    torch.save(dict(counts), path)
+    return (await export_async(output, dest, endpoint, options)).samples
 
 
 async def export_openai_batch_async(
@@ -165,7 +86,7 @@ async def export_openai_batch_async(
         await root.close()
     final = sum(1 for _, _, r in records if r.final)
     rows = "the decided rows"
-    _check_decided(output, input_rows, final, allow_partial, rows, rows)
+    check_decided(output, input_rows, final, allow_partial, rows, rows)
     lines = _batch_lines(records, endpoint, storage_url)
     partial = dest.with_name(dest.name + ".partial")
     try:
@@ -214,23 +135,3 @@ def _batch_lines(
             params = batch_api.transfer_params(record, codec, uri, local)
         lines.append(batch_api.output_line(record.custom_id, record, model, params))
     return lines
-
-
-def _check_decided(
-    output: str, input_rows: int, final: int, allow_partial: bool, offer: str, exporting: str
-) -> None:
-    """ExportError while input rows are undecided, offering ``--allow-partial`` to
-    export ``offer``; with it, a warning that ``exporting`` is what goes out."""
-    undecided = max(0, input_rows - final)
-    if not undecided:
-        return
-    what = (
-        f"{output}: {undecided} of {input_rows} input rows are undecided (not sent yet, "
-        "or failed with a retryable error)"
-    )
-    if not allow_partial:
-        raise ExportError(
-            f"{what}; finish the run (run the same command again), or pass "
-            f"--allow-partial to export {offer}"
-        )
-    print(f"hsx dataset: warning: {what}; exporting {exporting}", file=sys.stderr, flush=True)

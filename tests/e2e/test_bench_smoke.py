@@ -64,6 +64,7 @@ async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None)
         "codec_bench",
         "real_model_bench",
         "dataset_bench",
+        "export_bench",
         "copy_bench",
         "handoff_bench",
         "parallel_bench",

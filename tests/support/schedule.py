@@ -27,6 +27,7 @@ HEAVY_FIRST = (
     "tests/dataset/test_dataset_e2e.py",  # 100
     "tests/e2e/test_serve.py",  # 75
     "tests/dataset/test_parity.py",  # 65
+    "tests/dataset/test_export_layouts.py",  # 65 (two engines: the tiny Llama, SmolLM2)
     "tests/e2e/test_speculators.py",  # 64
     "tests/e2e/test_drafter_smoke.py",  # 117 on a busy host (one engine, one training)
     "tests/e2e/test_readme.py",  # 55
