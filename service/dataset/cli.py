@@ -365,8 +365,8 @@ def _cmd_export(settings: Any, args: argparse.Namespace) -> int:
 
 
 def _export_layout(settings: Any, args: argparse.Namespace) -> int:
-    from service.dataset.export_record import MANIFEST
-    from service.dataset.trainer_export import ExportOptions, export_async
+    from service.dataset.export_record import MANIFEST, ExportOptions
+    from service.dataset.trainer_export import export_async
 
     options = ExportOptions(
         format=args.format,

@@ -46,7 +46,8 @@ async def export_speculators_async(
     Raises :class:`ExportError` before anything is written. The other layouts, the
     manifest and the length index: ``service.dataset.trainer_export``.
     """
-    from service.dataset.trainer_export import ExportOptions, export_async
+    from service.dataset.export_record import ExportOptions
+    from service.dataset.trainer_export import export_async
 
     options = ExportOptions(
         api_key=api_key, concurrency=concurrency, s3=s3, allow_partial=allow_partial

@@ -17,17 +17,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.dataset.layouts import DATA_DIR, Layout
+from service.config import S3StorageSettings
+from service.dataset.layouts import DATA_DIR, Format, Layout
 from service.dataset.manifest import Record
 
 if TYPE_CHECKING:
     from service.dataset.export_model import ModelFacts
     from service.dataset.export_sinks import Read
     from service.dataset.final_norm import FinalNorm
-    from service.dataset.trainer_export import ExportOptions
 
 MANIFEST = "hsx-export.json"
 LENGTHS = "lengths.jsonl"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What ``hsx dataset export`` was asked for (the CLI's flags)."""
+
+    format: Format = "speculators"
+    #: SpecForge's strategy: ``eagle3`` (aux + last layer) or ``dflash`` (aux only).
+    specforge_layout: str = "eagle3"
+    #: Aux layers in the trainer's ids (None: the trainer's default for the model).
+    aux_layers: list[int] | None = None
+    #: The target model's directory or Hugging Face id (final norm, layer count, vocab).
+    model: str | None = None
+    #: gzip each file (SpecForge's ``.ckpt.gz``).
+    compress: bool = False
+    #: Draft vocabulary size of ``d2t``/``t2d`` to write (None: none).
+    vocab_map: int | None = None
+    api_key: str | None = None
+    concurrency: int = 8
+    s3: S3StorageSettings | None = None
+    allow_partial: bool = False
 
 
 @dataclass

@@ -27,42 +27,19 @@ import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from service.client import AsyncHsxClient
-from service.config import S3StorageSettings
 from service.dataset.export_model import ModelFacts, objects_side, resolve_model
-from service.dataset.export_record import Exported, write_record
+from service.dataset.export_record import Exported, ExportOptions, write_record
 from service.dataset.export_sinks import Read, Sink, SpeculatorsSink, TorchSink
-from service.dataset.layouts import ExportError, Format, Layout, make_layout, non_finite
+from service.dataset.layouts import ExportError, Layout, make_layout, non_finite
 from service.dataset.manifest import Job, Record, load_records
 from service.dataset.store import RunStore, write_problem
 from service.dataset.verify import run_stores
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """What ``hsx dataset export`` was asked for (the CLI's flags)."""
-
-    format: Format = "speculators"
-    #: SpecForge's strategy: ``eagle3`` (aux + last layer) or ``dflash`` (aux only).
-    specforge_layout: str = "eagle3"
-    #: Aux layers in the trainer's ids (None: the trainer's default for the model).
-    aux_layers: list[int] | None = None
-    #: The target model's directory or Hugging Face id (final norm, layer count, vocab).
-    model: str | None = None
-    #: gzip each file (SpecForge's ``.ckpt.gz``).
-    compress: bool = False
-    #: Draft vocabulary size of ``d2t``/``t2d`` to write (None: none).
-    vocab_map: int | None = None
-    api_key: str | None = None
-    concurrency: int = 8
-    s3: S3StorageSettings | None = None
-    allow_partial: bool = False
 
 
 async def export_async(
