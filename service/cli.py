@@ -14,6 +14,7 @@ from pydantic_settings import SettingsError
 
 from service import __version__
 from service.config import Settings
+from service.engine.tiny_models import KINDS
 from service.startup import StartupError, check_environment, from_validation
 
 
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(func=_cmd_sweep)
     make = commands.add_parser("make-model", help=_cmd_make_model.__doc__)
     make.add_argument("out", help="directory to write the model to")
-    make.add_argument("--kind", choices=["llama", "nemotron-h"], default="llama")
+    make.add_argument("--kind", choices=list(KINDS), default="llama")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_cmd_make_model)
     demo = commands.add_parser("demo-model", help=_cmd_demo_model.__doc__)

@@ -118,6 +118,7 @@ def _serve(settings: Settings) -> int:
         from service.api.app import create_app, mark_draining  # vLLM: after the quick checks
 
         startup.check_vllm_patches(settings.engine)  # before any engine process starts
+        startup.check_family(settings.engine, info)  # extractable, in a dtype it runs in
         from service.engine.builder import Prepared
         from service.engine.provenance import build_provenance
 

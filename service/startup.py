@@ -335,6 +335,35 @@ def check_model(model: str, layer_ids: list[int] | None) -> tuple[ModelInfo, lis
         raise StartupError("engine.layer_ids", str(exc), "pick ids in that range") from exc
 
 
+def check_family(engine: EngineSettings, info: ModelInfo) -> None:
+    """Refuse, before any engine starts (one line, exit 2), a model hsx cannot extract
+    from and a dtype this platform cannot run its family in
+    (``service.engine.families``). Imports vLLM: run it after the quick checks."""
+    from vllm.platforms import current_platform
+
+    from service.engine.builder import on_cpu
+    from service.engine.families import WRAPPED, dtype_refusal, extraction_refusal
+    from service.engine.vllm_patches.registry import problem_of, vllm_label
+    from service.engine.vllm_patches.touchpoints import MODEL_CLASSES
+    from service.vllm_version import SUPPORTED_VLLM
+
+    if (refusal := extraction_refusal(info.architecture)) is not None:
+        raise StartupError(*refusal)
+    # hsx's class for it hooks vLLM's decoder layers: where they changed, its states
+    # could be wrong without a sign.
+    if info.architecture in WRAPPED and (problem := problem_of(MODEL_CLASSES)) is not None:
+        raise StartupError(
+            None,
+            f"{vllm_label()} changed what hsx's class for {info.architecture} builds on "
+            f"({MODEL_CLASSES.hsx}): {problem}",
+            f"install a vLLM release hsx supports (vllm{SUPPORTED_VLLM}), or serve another family",
+        )
+    # What "auto" makes of a float32 config here, as vLLM decides it.
+    preferred = str(current_platform.supported_dtypes[0]).removeprefix("torch.")
+    if (refusal := dtype_refusal(info, engine.dtype, on_cpu(), preferred)) is not None:
+        raise StartupError(*refusal)
+
+
 def bind(host: str, port: int) -> Any:
     """The listening socket, bound before the engine starts so a busy port fails fast."""
     import socket
@@ -385,7 +414,6 @@ _OVER_RESERVATION = re.compile(
     r"the KV cache\.(?:.*?to more than ([\d.]+),)?"
 )
 _OUT_OF_MEMORY = re.compile(r"(CUDA out of memory|OutOfMemoryError|Cannot allocate memory)")
-_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$", re.MULTILINE)
 #: vLLM argument names in its messages -> our settings.
 _VLLM_ARGS = {
     "max_model_len": "engine.max_model_len",
@@ -473,7 +501,9 @@ def from_engine(exc: BaseException, log_text: str, on_cpu: bool) -> StartupError
             f"raise {env_name(cache)}",
             FAILED,
         )
-    message = _root_cause(exc, log_text)
+    from service.engine.root_cause import root_cause, worker_failure
+
+    message = root_cause(exc, log_text)
     if _OUT_OF_MEMORY.search(message):
         return StartupError(
             cache,
@@ -483,25 +513,17 @@ def from_engine(exc: BaseException, log_text: str, on_cpu: bool) -> StartupError
             FAILED,
         )
     setting = next((ours for arg, ours in _VLLM_ARGS.items() if arg in message), None)
-    return StartupError(
-        setting,
-        f"the engine failed to start: {message}",
-        "fix the setting named there (the debug log has the details)",
-        FAILED,
-    )
-
-
-def _root_cause(exc: BaseException, log_text: str) -> str:
-    """The most specific exception message: the children's, else the chain's first."""
-    text = str(exc)
-    if "See root cause above" in text or "initialization failed" in text:
-        lines = [m for m in _EXCEPTION_LINE.finditer(log_text) if "See root cause" not in m[0]]
-        if lines:
-            return one_line(f"{lines[0][1]}: {lines[0][2]}")
-    cause: BaseException = exc
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-    return f"{type(cause).__name__}: {_first_line(cause)}"
+    # A worker that raised while it started (building the model, loading its weights)
+    # usually names the model's problem rather than a setting: say where it was raised.
+    in_worker = message == worker_failure(log_text)
+    if setting is not None:
+        fix = "fix the setting named there (the debug log has the details)"
+    elif in_worker:
+        fix = "the debug log has the worker's traceback; docs/models.md lists the models run"
+    else:
+        fix = "the debug log has the whole traceback"
+    where = " (raised in vLLM's worker)" if in_worker else ""
+    return StartupError(setting, f"the engine failed to start: {message}{where}", fix, FAILED)
 
 
 def _first_line(exc: BaseException) -> str:

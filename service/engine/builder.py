@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineSettings, Settings
+from service.engine.families import WRAPPED
 from service.engine.metrics import ExtractorMetrics
 from service.engine.parallel import BIND_VARIABLE, cpu_binding, pipeline_refusal
 from service.engine.provenance import Provenance, build_provenance
@@ -37,6 +38,9 @@ class ModelInfo:
     hybrid: bool
     vocab_size: int = 0  # rows of the embedding; 0 when the config does not say
     revision: str | None = None  # the checkpoint's (hub commit hash), when known
+    architecture: str = ""  # the config's first architecture (Qwen3NextForCausalLM)
+    model_type: str = ""  # the (text) config's model_type (qwen3_next)
+    config_dtype: str | None = None  # the dtype the config declares (float32), if any
 
 
 def read_model_info(model: str, name: str | None = None) -> ModelInfo:
@@ -51,6 +55,7 @@ def read_model_info(model: str, name: str | None = None) -> ModelInfo:
     )
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     revision = getattr(config, "_commit_hash", None) or getattr(config, "revision", None)
+    dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None)
     return ModelInfo(
         name or model,
         int(text.num_hidden_layers),
@@ -58,6 +63,9 @@ def read_model_info(model: str, name: str | None = None) -> ModelInfo:
         hybrid,
         vocab,
         str(revision) if revision else None,
+        architecture=(getattr(config, "architectures", None) or [""])[0],
+        model_type=str(text.model_type),
+        config_dtype=str(dtype).removeprefix("torch.") if dtype else None,
     )
 
 
@@ -203,8 +211,19 @@ def engine_args(
             **pipeline_args(engine),
             **memory_args(engine, cpu),
             **engine.extra_args,
+            **eager_args(info),
         },
     )
+
+
+def eager_args(info: ModelInfo) -> dict[str, Any]:
+    """``enforce_eager`` for an architecture hsx wraps (``service.engine.models``): its
+    states are captured by Python hooks, which a compiled or graph-replayed forward would
+    not call (the states would be stale). It overrides ``extra_args``."""
+    if info.architecture not in WRAPPED:
+        return {}
+    log.info("hsx: %s runs eagerly: hsx captures its states with hooks", info.architecture)
+    return {"enforce_eager": True}
 
 
 def bind_cpu_workers(ranks: int) -> None:

@@ -13,6 +13,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from service.engine.families import register
+
+# vLLM imports this module in every worker (``worker_extension_cls``) right after its
+# own plugins and before it builds the model: hsx's classes for the architectures whose
+# vLLM class has no EAGLE-3 interface are registered here (service/engine/families.py).
+register()
+
 #: Spec class -> the ``kind`` label; anything else gets its class name in snake case.
 _KINDS = (
     ("HiddenStateCacheSpec", "hidden_state"),

@@ -42,7 +42,10 @@ def expected_rows(
         positions = torch.arange(stored)[selection["start"] : selection["end"]]
     rows = states[positions].to(torch.float32)
     if selection in ("mean", "mean_loss"):
-        rows = rows.mean(dim=0, keepdim=True)
+        # Summed in float32, stored in the states' dtype (connector/copyout.py's pool):
+        # a bfloat16 model's mean is rounded to bfloat16 once.
+        rows = rows.sum(dim=0, keepdim=True) / rows.shape[0]
+        rows = rows.to(states.dtype).to(torch.float32)
     return positions, rows
 
 

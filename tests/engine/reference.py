@@ -9,21 +9,27 @@ import torch
 
 
 @cache
-def load(model_path: str) -> Any:
+def load(model_path: str, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' model of ``model_path`` in ``dtype`` (float32 unless told), once."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.eval()
 
 
-def reference_states(model_path: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """[num_tokens, len(layer_ids), hidden] as transformers computes them.
+def reference_states(
+    model_path: str,
+    token_ids: list[int],
+    layer_ids: list[int],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[num_tokens, len(layer_ids), hidden] as transformers computes them in ``dtype``.
 
     Id i < L is ``output_hidden_states[i]`` (the input of decoder layer i); id L is the
     output of the last decoder layer, before the final norm (transformers' last entry
     is after the norm), captured with a forward hook.
     """
-    model = load(model_path)
+    model = load(model_path, dtype)
     captured: dict[str, torch.Tensor] = {}
 
     def keep(_module: Any, _inputs: Any, output: Any) -> None:
@@ -45,3 +51,9 @@ def reference_states(model_path: str, token_ids: list[int], layer_ids: list[int]
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual - expected‖ / ‖expected‖."""
     return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def token_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Each row's relative error, ‖actual[t] - expected[t]‖ / ‖expected[t]‖ (float64)."""
+    difference = actual.double() - expected.double()
+    return difference.norm(dim=-1) / expected.double().norm(dim=-1)

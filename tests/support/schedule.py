@@ -31,7 +31,10 @@ HEAVY_FIRST = (
     "tests/e2e/test_speculators.py",  # 64
     "tests/e2e/test_drafter_smoke.py",  # 117 on a busy host (one engine, one training)
     "tests/e2e/test_readme.py",  # 55
+    "tests/engine/test_wrapped_families.py",  # 45 (two engines: Falcon-H1, Gemma 3)
+    "tests/engine/test_qwen3_next.py",  # 45 (a bfloat16 engine, two transformers forwards)
     "tests/engine/test_parallel.py",  # 43 (three engines, one after the other)
+    "tests/e2e/test_model_startup_errors.py",  # 40 (two hsx serve, one starts an engine)
     "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[parallel_bench]",  # 37
     "tests/e2e/test_bench_smoke.py::test_quick_engine_bench_gives_every_row",  # 15
 )

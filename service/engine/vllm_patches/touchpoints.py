@@ -20,6 +20,7 @@ from service.engine.vllm_patches.fingerprints import (
     Members,
     Names,
     Overrides,
+    Params,
     Wording,
 )
 from service.engine.vllm_patches.registry import CPU_ONLY, EVERY_HOST, READ, RUN, Kind, TouchPoint
@@ -234,6 +235,7 @@ API = TouchPoint(
 )
 
 _CPU_WORKER = "vllm.v1.worker.cpu_worker"
+_UTILS = "vllm.v1.engine.utils"
 #: Where vLLM's KV-cache size check lives (0.33 moved it).
 _KV_CHECK = {"0.32.0": "vllm.v1.core.kv_cache_utils", "0.33.0": "vllm.v1.core.kv_cache_planning"}
 MESSAGES = TouchPoint(
@@ -305,6 +307,75 @@ CPU_SETTINGS = TouchPoint(
     checked_on=BOTH,
 )
 
+_EXECUTOR = "vllm.v1.executor.multiproc_executor"
+WORKER_FAILURE = TouchPoint(
+    name="worker-start-up-traceback",
+    kind=Kind.READS,
+    hsx="service/engine/root_cause.py (from service/startup.py's from_engine)",
+    target="the traceback vLLM's worker logs when it fails to start, and the wrappers "
+    "its parents raise in its place",
+    why="the worker's own exception is the root cause; the parent only hears that a "
+    "background process failed",
+    platforms=EVERY_HOST,
+    checked_on=BOTH,
+    fingerprints=(
+        Wording("WorkerProc failed to start.", _same(_EXECUTOR)),
+        Wording(
+            "WorkerProc initialization failed due to an exception in a background "
+            "process. See stack trace for root cause.",
+            _same(_EXECUTOR),
+        ),
+        Wording("Engine core initialization failed. See root cause above. ", _same(_UTILS)),
+    ),
+)
+
+_MODELS = "vllm.model_executor.models"
+_INTERFACES = f"{_MODELS}.interfaces"
+MODEL_CLASSES = TouchPoint(
+    name="extraction-model-classes",
+    kind=Kind.SETS,
+    hsx="service/engine/models.py, families.py (registered from introspect.py)",
+    target=f"{_MODELS}.registry.ModelRegistry (register_model) in every worker: hsx's "
+    "subclasses of FalconH1ForCausalLM and Gemma3ForCausalLM with EAGLE-3's "
+    "aux-hidden-state interface (SupportsEagle3), captured by hooks on their decoder "
+    "layers as EagleModelMixin._maybe_add_hidden_state adds them",
+    why="extract_hidden_states reads states through SupportsEagle3, which these vLLM "
+    "classes lack; registration is vLLM's public way to serve another class for an "
+    "architecture, and the hooks leave vLLM's code as it is",
+    platforms=EVERY_HOST,
+    checked_on=BOTH,
+    fingerprints=(
+        Params(
+            f"{_MODELS}.registry:_ModelRegistry.register_model",
+            _same("self, model_arch, model_cls"),
+        ),
+        Digest(f"{_INTERFACES}:EagleModelMixin._maybe_add_hidden_state", _same("50298fd1e4eff9cd")),
+        Digest(f"{_INTERFACES}:SupportsEagle3", _same("ba1f7f8b5233e08f")),
+        Digest(
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner._setup_eagle3_aux_hidden_state_outputs",
+            _same("1d89da0b9452b18f"),
+        ),
+        Digest(
+            "vllm.v1.worker.worker_base:WorkerWrapperBase.init_worker",
+            {"0.32.0": "4513d6fa5d1808b8", "0.33.0": "31e3b37cf1da606d"},
+        ),
+        Digest(f"{_MODELS}.falcon_h1:FalconH1Model.forward", _same("faf30f88ce3d693f")),
+        Digest(f"{_MODELS}.falcon_h1:FalconH1ParallelHybrid.forward", _same("0f8df4395395bdd8")),
+        Digest(f"{_MODELS}.gemma3:Gemma3Model.forward", _same("ab2b05806bb74a21")),
+        Digest(f"{_MODELS}.gemma3:Gemma3DecoderLayer.forward", _same("7df6f80fc9d6d5fd")),
+        Wording(
+            "CPU GDN attention requires BF16",
+            _same("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"),
+        ),
+    ),
+    notes={
+        "0.33.0": "WorkerWrapperBase.init_worker also keeps the extension class; it is "
+        "still imported before the model is built. The CPU GatedDeltaNet kernel runs "
+        "float16 too where triton-cpu is installed (service/engine/families.py's "
+        "CPU_DTYPES, checked on 0.32, still allows bfloat16 only)"
+    },
+)
+
 READ_ONLY: tuple[TouchPoint, ...] = (
     CONNECTOR,
     EXTRACTION,
@@ -317,4 +388,6 @@ READ_ONLY: tuple[TouchPoint, ...] = (
     MESSAGES,
     TEST_IMPORT,
     CPU_SETTINGS,
+    WORKER_FAILURE,
+    MODEL_CLASSES,
 )
