@@ -1,11 +1,12 @@
 """``hsx dataset export`` in every trainer layout, read back by each trainer's own reader
 code, against a transformers float32 forward at the layout's layers and norm side.
 
-One server per model for the module (the tiny random-weight Llama, 4 layers, and the
-real SmolLM2 demo model, 30 layers), each making one chat run with loss masks on the
-assistant turns (4 rows and 2 rows). SpecForge's and ModelOpt's readers come from their
-released wheels (``tests/dataset/trainer_readers.py`` says how and why). EAGLE's reader
-is its training script (``eagle/train/main.py``, which trains at import); its
+One server per model for the module (the tiny random-weight Llama, 4 layers, the real
+SmolLM2 demo model, 30 layers, and a tiny Gemma 3, 4 layers, whose final norm is
+``1 + weight``), each making one chat run with loss masks on the assistant turns (4, 2
+and 2 rows). SpecForge's and ModelOpt's readers come from their released wheels
+(``tests/dataset/trainer_readers.py`` says how and why). EAGLE's reader is its
+training script (``eagle/train/main.py``, which trains at import); its
 ``CustomDataset`` loads each file with ``torch.load`` and reads ``hidden_state``,
 ``input_ids`` and ``loss_mask``, as ``read_eagle`` does here.
 
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from service.dataset.final_norm import load_final_norm
+from service.engine.tiny_models import make_model
 from tests.dataset.export_checks import (
     aux_reference,
     before_norm,
@@ -57,6 +59,32 @@ def demo(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator
     link_demo_model(root, demo_model)
     with hsx_serve(root, served_env(root / "objects")) as served:
         yield chat_run(served.url, root / "objects", demo_model, root, rows=2)
+
+
+def gemma3_model(root: Path) -> Path:
+    """The tiny Gemma 3 with a random final norm weight. transformers initialises every
+    Gemma norm weight to zeros, which leave only the ``rsqrt`` part to check: a weight
+    read from another of the checkpoint's norms, or an offset lost where the weight is
+    zero, would pass unseen."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_model(root / "gemma3", "gemma3")
+    weights = load_file(model / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    weights["model.norm.weight"] = torch.randn(
+        weights["model.norm.weight"].shape, generator=generator
+    )
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedRun]:
+    root = tmp_path_factory.mktemp("export-gemma3")
+    model = gemma3_model(root)
+    env = {**served_env(root / "objects"), "HSX_ENGINE__MODEL": str(model)}
+    with hsx_serve(root, env) as served:
+        yield chat_run(served.url, root / "objects", model, root, rows=2)
 
 
 def read_specforge(dest: Path, strategy: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -137,7 +165,7 @@ def expected_tensors(
     }
 
 
-@pytest.mark.parametrize("which", ["tiny", "demo"])
+@pytest.mark.parametrize("which", ["tiny", "demo", "gemma3"])
 def test_every_layout_read_by_its_trainer_equals_transformers(
     which: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -184,6 +212,9 @@ def test_every_layout_read_by_its_trainer_equals_transformers(
         side = {"specforge-dflash": None, "speculators": "before"}.get(layout, "after")
         assert described["last_layer_norm"] == side
         assert (described["final_norm"] is not None) == (side == "after")
+        if described["final_norm"] is not None:
+            kind = "rmsnorm_1_plus_weight" if which == "gemma3" else "rmsnorm"
+            assert described["final_norm"]["kind"] == kind
         assert described["left_out"] == []
     print(f"{which}: worst relative error {max(worst):.3g} over {len(worst)} tensors")
 

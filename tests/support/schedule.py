@@ -23,11 +23,11 @@ PER_TEST = ("tests/e2e/test_bench_smoke.py",)
 #: bench_smoke tests run in ``make bench-smoke``, where the same order holds.
 HEAVY_FIRST = (
     "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 145
+    "tests/dataset/test_export_layouts.py",  # 130 (engines: tiny Llama, SmolLM2, Gemma 3)
     "tests/api/",  # 115
     "tests/dataset/test_dataset_e2e.py",  # 100
     "tests/e2e/test_serve.py",  # 75
     "tests/dataset/test_parity.py",  # 65
-    "tests/dataset/test_export_layouts.py",  # 65 (two engines: the tiny Llama, SmolLM2)
     "tests/e2e/test_speculators.py",  # 64
     "tests/e2e/test_drafter_smoke.py",  # 117 on a busy host (one engine, one training)
     "tests/e2e/test_readme.py",  # 55
