@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineSettings, Settings
-from service.engine.families import WRAPPED
+from service.engine.families import WRAPPED, register
 from service.engine.metrics import ExtractorMetrics
 from service.engine.parallel import BIND_VARIABLE, cpu_binding, pipeline_refusal
 from service.engine.provenance import Provenance, build_provenance
@@ -165,6 +165,8 @@ def engine_args(
     (``check_pipeline_parallel``) and sleep mode (``check_sleep_mode``)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    register()  # this process resolves the architecture too (the workers: introspect)
 
     engine = settings.engine
     check_pipeline_parallel(engine)  # no path reaches vLLM with more than one stage

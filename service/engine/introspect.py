@@ -11,6 +11,7 @@ a stale block size for hybrid models; the engine's ``KVCacheConfig`` is the trut
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 from service.engine.families import register
@@ -18,7 +19,10 @@ from service.engine.families import register
 # vLLM imports this module in every worker (``worker_extension_cls``) right after its
 # own plugins and before it builds the model: hsx's classes for the architectures whose
 # vLLM class has no EAGLE-3 interface are registered here (service/engine/families.py).
-register()
+# Only where vLLM is loaded already: the API process imports this module too (the
+# KV-cache metrics) and must not import vLLM for it; it registers in engine_args.
+if "vllm" in sys.modules:
+    register()
 
 #: Spec class -> the ``kind`` label; anything else gets its class name in snake case.
 _KINDS = (
