@@ -176,8 +176,13 @@ def _fork_engine_server(settings: Settings) -> None:
         return
     if scheme_of(settings.storage.url) not in _FORKS_BESIDE:
         return
+    from service.engine.families import register
     from service.engine.vllm_patches.mp_context import fork_server_here
 
+    # Before the fork: the server's children build the models, and this process
+    # imported service.engine.introspect (the API's KV-cache metrics) before vLLM, so
+    # its import registered nothing (introspect.py).
+    register()
     if fork_server_here():
         log.debug("hsx: engine fork server forked from the serving process")
     else:
