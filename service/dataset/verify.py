@@ -43,7 +43,9 @@ class Checks:
     parity_model: str | None = None
     parity_seed: int = 0
     parity_device: str = "cpu"
-    #: The relative-error bound (default: ``parity.bound_for`` the run's dtype and codec).
+    #: A relative-error bound per layer, whatever the run's dtype (parity's norm rule).
+    #: None: ``parity.rule_for`` and ``parity.bound_for`` the run's dtype and codec (a
+    #: half-precision run is held to transformers' own gap from float32).
     parity_tolerance: float | None = None
     #: ``messages`` rows re-rendered for token drift (None: as many as ``parity``).
     drift: int | None = None

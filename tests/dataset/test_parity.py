@@ -5,6 +5,9 @@ One server per model for the whole module (the tiny random-weight Llama, and the
 SmolLM2 demo model), each making one small run (6 token-id rows, 6 chats). A test
 that corrupts an object rewrites it in storage with a manifest line that matches it
 (SHA-256, token count), so only the check under test can tell, and restores it.
+
+The gap rule of half-precision runs is tested here on made-up errors (no server), and
+on a real Qwen3-Next run in tests/engine/test_qwen3_next.py (its engine's module).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from typing import Any
 
 import pytest
 
-from service.dataset.parity import DTYPE_BOUNDS
+from service.dataset.parity import (
+    DTYPE_BOUNDS,
+    OFF_PATH_SLACK,
+    ParityReport,
+    compare_gap,
+    layer_gaps,
+    rule_for,
+)
 from tests.dataset.served_runs import (
     ServedRun,
     load_object,
@@ -285,3 +295,84 @@ def test_without_parity_model_only_the_served_weights_are_loaded(
     assert code == 0, text
     assert f"parity: 2 rows against {name} " in text
     assert ": 0 failed" in text
+
+
+def gap_case(seed: int = 0) -> tuple[Any, Any, Any]:
+    """A float32 reference [40 tokens, 3 layers, 64], the reference's own bfloat16 states
+    (rounding, and 3 tokens sent down another path: 0.4 off) and hsx's (its own rounding
+    and 2 other tokens off the path), as a mixture of experts in bfloat16 gives them."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    float32 = torch.randn(40, 3, 64, generator=generator, dtype=torch.float64)
+
+    def rounded(off: list[int]) -> Any:
+        noise = torch.randn(float32.shape, generator=generator, dtype=torch.float64)
+        states = float32 + 4e-3 * noise * float32.norm(dim=-1, keepdim=True) / 8
+        states[off] = float32[off] + 0.4 * torch.roll(float32[off], 1, dims=-1)
+        return states
+
+    return float32, rounded([5, 17, 30]), rounded([9, 22])
+
+
+def test_the_gap_rule_passes_routing_ties_and_names_a_corrupt_layer() -> None:
+    """Half precision: each layer of a row fails on more tokens off the float32 path than
+    twice the reference's own, plus 2; a whole layer of the sample on that count or a
+    median over the reference's 75th percentile (service/dataset/parity.py)."""
+    assert rule_for("bfloat16", None) == rule_for("float16", None) == "gap"
+    assert rule_for("float32", None) == rule_for("bfloat16", 0.1) == "norm"
+    bound = DTYPE_BOUNDS["bfloat16"]
+    float32, served, stored = gap_case()
+    layers, ours, theirs = compare_gap(stored, float32, served, [0, 2, 4], bound)
+    assert all(layer.ok for layer in layers)
+    assert [layer.off_path for layer in layers] == [2, 2, 2]
+    assert [layer.reference_off_path for layer in layers] == [3, 3, 3]
+    assert all(layer.relative_error > bound for layer in layers)  # what the norm rule fails
+    assert all(gap.ok for gap in layer_gaps(ours, theirs, [0, 2, 4], bound, 0.0))
+
+    stored[:, 1] = float32[:, 2]  # layer 2 holds the next layer's states
+    layers, ours, theirs = compare_gap(stored, float32, served, [0, 2, 4], bound)
+    assert [layer.ok for layer in layers] == [True, False, True]
+    assert layers[1].off_path == 40
+    gaps = layer_gaps(ours, theirs, [0, 2, 4], bound, 0.0)
+    assert [gap.ok for gap in gaps] == [True, False, True]
+
+    # Tokens off the path where the reference has none: the slack, then a failure.
+    float32, served, stored = gap_case(1)
+    served[[5, 17, 30]] = float32[[5, 17, 30]]
+    extra = list(range(OFF_PATH_SLACK + 1))
+    stored[extra, 0] = 0.9 * float32[extra, 0]  # 0.1 off each
+    layers, _, _ = compare_gap(stored, float32, served, [0, 2, 4], bound)
+    assert (layers[0].off_path, layers[0].reference_off_path, layers[0].ok) == (5, 0, False)
+
+    # Every token a little farther than the reference's rounding: the median fails.
+    float32, served, stored = gap_case(2)
+    drifted = float32 + 3 * (stored - float32)
+    drifted[[9, 22]] = stored[[9, 22]]
+    _, ours, theirs = compare_gap(drifted, float32, served, [0, 2, 4], bound)
+    gaps = layer_gaps(ours, theirs, [0, 2, 4], bound, 0.0)
+    assert not any(gap.ok for gap in gaps)
+    assert all(gap.median > gap.median_bound for gap in gaps)
+    # A codec's own bound is allowed on top (fp8: every token row within 3%).
+    assert all(gap.ok for gap in layer_gaps(ours, theirs, [0, 2, 4], bound, 3e-2))
+
+
+def test_a_gap_report_names_failed_rows_and_layers() -> None:
+    from service.dataset.parity import RowParity
+
+    float32, served, stored = gap_case()
+    stored[:, 1] = 0
+    layers, ours, theirs = compare_gap(stored, float32, served, [0, 2, 4], 0.05)
+    row = RowParity(row=7, custom_id="r7", key="k", run="out", num_tokens=40, layers=layers)
+    report = ParityReport(
+        model="m", dtype="bfloat16", codec="raw", device="cpu", seed=0, requested=1,
+        rule="gap", bound=0.05, min_cosine=None, rows=[row],
+        layers=layer_gaps(ours, theirs, [0, 2, 4], 0.05, 0.0),
+    )  # fmt: skip
+    assert not report.ok
+    text = "\n".join(report.lines())
+    assert "held to transformers' own bfloat16 gap from float32" in text
+    assert failed_layers(text) == {(7, 2)}
+    assert "40 of 40 tokens off the float32 path (transformers' own: 3)" in text
+    assert "  FAIL layer 2 over 40 tokens" in text
+    assert "FAIL layer 4" not in text

@@ -1,9 +1,9 @@
 """Start-up errors about the model, from a real ``hsx serve``: one line, the exit status.
 
 A worker that raises while it builds the model is named by its own exception (vLLM's
-parent only says that a background process failed); a dtype a family cannot run on this
-platform is refused before any engine starts (as is an architecture hsx cannot extract
-from, by the same check: tests/engine/test_families.py).
+parent only says that a background process failed); an architecture hsx cannot extract
+from, and a dtype a family cannot run on this platform, are refused before any engine
+starts (``startup.check_family``; its lines in full: tests/engine/test_families.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_a_dtype_the_family_cannot_run_on_cpu_is_refused_before_the_engine(
     model = tmp_path / "qwen3-next"
     tiny_config("qwen3-next").save_pretrained(model)
     env = {"HSX_ENGINE__MODEL": str(model), "HSX_ENGINE__DTYPE": "float32"}
-    run = hsx_serve(tmp_path, env)
+    run = hsx_serve(tmp_path, env, timeout=300)  # importing vLLM takes a minute on a busy host
     assert_one_line(
         run,
         2,
@@ -74,3 +74,41 @@ def test_a_dtype_the_family_cannot_run_on_cpu_is_refused_before_the_engine(
     )
     assert "EngineCore" not in run.stderr + run.debug_log  # no engine process ever ran
     assert "Application startup" not in run.debug_log  # nor the app that answers /ready
+
+
+def test_an_architecture_hsx_cannot_extract_from_is_refused_before_the_engine(
+    tmp_path: Path,
+) -> None:
+    # vLLM serves Jamba (Mamba + attention + experts) without EAGLE-3's aux-hidden-state
+    # interface, and hsx has no class for it: extract_hidden_states could not read its
+    # states. A tiny config alone: the refusal comes before any weight is read.
+    from transformers import JambaConfig
+
+    model = tmp_path / "jamba"
+    config = JambaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+    )
+    config.architectures = ["JambaForCausalLM"]
+    config.save_pretrained(model)
+    run = hsx_serve(tmp_path, {"HSX_ENGINE__MODEL": str(model)}, timeout=300)
+    assert_one_line(
+        run,
+        2,
+        "hsx: error: engine.model (HSX_ENGINE__MODEL): hsx cannot extract hidden states "
+        "from JambaForCausalLM",
+        "SupportsEagle3",
+        "serve a model of a family that works: Llama, Nemotron-H, Qwen3-Next",
+        "docs/models.md",
+    )
+    assert "EngineCore" not in run.stderr + run.debug_log  # no engine process ever ran
+    assert "Application startup" not in run.debug_log

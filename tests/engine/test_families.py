@@ -63,8 +63,8 @@ def test_each_wrapped_class_is_vllms_with_the_eagle3_interface() -> None:
 
 
 def test_an_architecture_hsx_cannot_extract_from_is_refused_in_one_line() -> None:
-    """hsx serve's check before the engine (service.startup.check_family, which the
-    dtype case of tests/e2e/test_model_startup_errors.py runs in a real hsx serve)."""
+    """hsx serve's check before the engine (service.startup.check_family), its line in
+    full; tests/e2e/test_model_startup_errors.py runs it in a real hsx serve on Jamba."""
     from service.config import EngineSettings
     from service.startup import StartupError, check_family
 

@@ -3,12 +3,14 @@ bfloat16, the only dtype vLLM's CPU GatedDeltaNet runs: states as close to trans
 float32 ones as transformers' own bfloat16 are (``checks.assert_within_bf16_gap``).
 
 One engine for the module, with a cache of a few sequences (chunked prefill is on: a
-64-token budget, ``engine_settings``).
+64-token budget, ``engine_settings``); its last test puts hsx's app in front of it, on
+a real uvicorn server, for ``hsx dataset run`` and ``hsx dataset verify --parity``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,14 @@ import pytest_asyncio
 import torch
 from safetensors.torch import load
 
+from service.cli import main
+from service.dataset.parity import DTYPE_BOUNDS
 from service.engine.introspect import capacity_of
+from tests.dataset.served_runs import make_run, tampered
+from tests.dataset.test_parity import failed_layers, swap_in_next_layer
 from tests.engine.checks import assert_within_bf16_gap, bf16_errors
 from tests.engine.conftest import engine_settings, random_prompts, running
+from tests.support.engines import serving
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 LAYERS = [0, 1, 2, 3, 4]
@@ -122,3 +129,53 @@ async def test_a_flood_through_a_small_cache_gives_every_block_back(qwen3_next: 
         random_prompts([longest], seed=75)[0], qwen3_next.request_params("flood")
     )
     assert whole.num_tokens == longest
+
+
+async def verify(
+    capsys: pytest.CaptureFixture[str], url: str, output: Path, model: Path
+) -> tuple[int, str]:
+    """``hsx dataset verify --parity`` of every row (12), on a thread: this event loop
+    serves the engine the command talks to."""
+    argv = ["dataset", "verify", str(output), "--endpoint", url]
+    argv += ["--parity", "12", "--parity-model", str(model)]
+    code = await asyncio.to_thread(main, argv)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+async def test_verify_parity_holds_a_run_to_the_bf16_gap_and_names_a_corrupt_layer(
+    qwen3_next: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dataset run (6 token-id rows of 4-70 tokens, 6 chats) passes parity, judged by
+    transformers' own bfloat16 gap from float32 (service/dataset/parity.py, the gap
+    rule); the same run with one row's layer 2 holding layer 3's states fails, naming
+    that row and layer."""
+    model = Path(qwen3_next.settings.engine.model)
+    async with serving(qwen3_next.settings, qwen3_next) as url:
+        run = await asyncio.to_thread(make_run, url, qwen3_next.test_root, model, tmp_path, 512)
+        code, text = await verify(capsys, url, run.output, model)
+        assert code == 0, text
+        report = json.loads((run.output / "parity.json").read_text())
+        assert (report["rule"], report["dtype"], len(report["rows"])) == ("gap", "bfloat16", 12)
+        assert [layer["layer"] for layer in report["layers"]] == LAYERS
+        assert all(layer["ok"] for layer in report["layers"]), text
+        # The embeddings are rounded once: as far from float32 as transformers' own.
+        assert report["layers"][0]["median"] == pytest.approx(
+            report["layers"][0]["reference_median"], rel=1e-6
+        )
+        over = sum(
+            layer["relative_error"] > DTYPE_BOUNDS["bfloat16"]
+            for row in report["rows"]
+            for layer in row["layers"]
+        )
+        with capsys.disabled():  # for the record: what the per-row norm bound would say
+            print(f"\nqwen3-next parity: {over} row layers over {DTYPE_BOUNDS['bfloat16']}")
+            print("\n".join(line for line in text.splitlines() if "tokens:" in line))
+
+        output = run.copy(tmp_path / "corrupt")
+        row, position = 3, LAYERS.index(2)
+        with tampered(run, output, row, swap_in_next_layer(position)):
+            code, text = await verify(capsys, url, output, model)
+    assert code == 1, text
+    assert failed_layers(text) == {(row, 2)}, text
+    assert "FAIL layer 2 over" in text  # and the pooled count of layer 2 fails too
