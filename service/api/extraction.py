@@ -140,6 +140,10 @@ async def _run_prompts(state: ApiState, job: Job) -> list[Outcome]:
 
 async def _run_prompt(state: ApiState, job: Job, index: int) -> Extraction:
     """One prompt's object; with a custom_id, found or made at most once."""
+    from service.api.regenerate import RegenerateJob, run_prompt
+
+    if isinstance(job, RegenerateJob):  # every turn generated, then one object stored
+        return await run_prompt(state, job, index)
     ids, spans, custom_id = job.token_ids[index], job.spans[index], job.custom_ids[index]
     options = job.options
     if custom_id is not None:

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from service.codecs import Codec
 from service.engine.provenance import Provenance
-from service.engine.wire import Extraction, RequestParams
+from service.engine.wire import Extraction, Generated, RequestParams, Sampling
 from service.storage import Storage
 
 if TYPE_CHECKING:  # vLLM's protocol models, for the reader (mypy sees them as Any)
@@ -117,6 +117,14 @@ class ExtractorLike(Protocol):
     ) -> Extraction:
         """One prompt's object under ``params.key``, once durable; cancelling leaves no
         object behind. ``params`` were checked against this server (codec, layers)."""
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: Sampling) -> Generated:
+        """Generate from the prompt, storing nothing (regeneration's turns); the same
+        errors as :meth:`extract`."""
+
+    @property
+    def prefix_block_size(self) -> int | None:
+        """Tokens per block of the prefix cache; None when prefix caching is off."""
 
     async def on_workers(self, method: str) -> list[Any]:
         """A worker-extension call on every worker."""

@@ -70,7 +70,7 @@ def rendered_bytes(value: Any) -> int:
     while pending:
         item = pending.pop()
         if isinstance(item, str):
-            total += len(item) if item.isascii() else len(item.encode())
+            total += len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
         elif isinstance(item, dict):
             pending.extend(item)
             pending.extend(item.values())

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -38,6 +39,9 @@ from service.engine.objects import reserved_keys
 from service.engine.wire import TokenSelection, TokenWindow
 from service.masks import LossMode
 from service.storage.expiry import MAX_TTL_S
+
+#: Metadata key of a regenerated object (``service.api.regenerate``): set by the server.
+REGENERATE_KEY = "hsx.regenerate"
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 MetadataValue = Annotated[str, StringConstraints(max_length=4096)]
@@ -112,6 +116,38 @@ class PromptObject(BaseModel):
 
 Prompt = Annotated[str, StringConstraints(min_length=1)] | PromptObject
 
+#: Largest seed a regeneration takes (vLLM's per-request seed is a 64-bit integer).
+MAX_SEED = (1 << 63) - 1
+
+
+class Regenerate(BaseModel):
+    """Replace every assistant turn of each ``messages`` prompt with the target's own
+    answer, turn by turn, and store the regenerated conversation's states in one pass."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens each turn may generate. Default: the server's limit."
+    )
+    temperature: float = Field(
+        0.0, ge=0.0, le=2.0, description="0: greedy (the default); else sampled."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="With the prompt's custom_id (or its messages' hash) it makes each "
+        "row's seed, so a sampled run is reproducible.",
+    )
+
+
+def _regenerate_or_none(value: Any) -> Any:
+    """``true`` is the defaults (greedy), ``false`` none; anything else as given."""
+    if value is True:
+        return {}
+    return None if value is False else value
+
 
 class ExtractRequest(BaseModel):
     """Prompts whose hidden states to extract, one object per prompt."""
@@ -178,6 +214,14 @@ class ExtractRequest(BaseModel):
         '`{"start": s, "end": e}`, `[s, e)` over the stored tokens, negative from the end. '
         "The object's `positions` tensor and `hsx.tokens` metadata record it.",
     )
+    regenerate: Annotated[Regenerate | None, BeforeValidator(_regenerate_or_none)] = Field(
+        None,
+        description="`true` or sampling settings: each `messages` prompt's assistant "
+        "turns are replaced by the target's own answers (the last user turn gets one), "
+        "and the object holds the conversation's token ids as generated, with "
+        "`loss: assistant` a mask over the generated and end-of-turn tokens, and the "
+        "conversation in `objects[].regenerated`.",
+    )
     return_: Literal["storage", "inline"] = Field(
         "storage",
         alias="return",
@@ -190,6 +234,8 @@ class ExtractRequest(BaseModel):
     @model_validator(mode="after")
     def _no_reserved_metadata(self) -> ExtractRequest:
         reserved = reserved_keys(self.metadata)
+        if REGENERATE_KEY in self.metadata:  # what a regenerated object records of itself
+            reserved.append(REGENERATE_KEY)
         if reserved:
             raise ValueError(f"metadata keys {reserved} are reserved")
         return self
@@ -220,6 +266,7 @@ __all__ = [
     "Prompt",
     "PromptObject",
     "PromptOutcome",
+    "Regenerate",
     "Status",
     "StoredObject",
     "TokenSelectionField",

@@ -74,6 +74,8 @@ class ExtractOptions:
     #: ``return: inline``: the objects come back in the answer (``StoredObject.tensors``)
     #: and nothing is stored.
     inline: bool = False
+    #: ``regenerate``: ``{}`` (greedy defaults) or sampling settings; None: not sent.
+    regenerate: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ def encode_extract(prompts: Sequence[Prompt], options: ExtractOptions) -> bytes:
         body["tokens"] = options.tokens if isinstance(options.tokens, str) else dict(options.tokens)
     if options.inline:
         body["return"] = "inline"
+    if options.regenerate is not None:
+        body["regenerate"] = dict(options.regenerate)
     text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return text.encode()
 

@@ -80,6 +80,13 @@ class StoredObject(_Body):
         "(handle, tensors' shapes, dtypes and offsets, total_aligned_bytes, sha256); "
         "`MooncakeTransfer.get_generated(transfer)` reads the object. Absent elsewhere.",
     )
+    regenerated: dict[str, Any] | None = Field(
+        None,
+        description="With `regenerate`: the regenerated conversation (`messages`, "
+        "`token_ids` as stored, `turns` with each answer's `[start, end)` span, generated "
+        "tokens and finish reason), the seed, and the target's `forward_tokens` and "
+        "`recomputed_tokens` for the row. Absent otherwise.",
+    )
 
     def content(self) -> builtins.bytes:
         """The inline object's safetensors bytes; ValueError for a stored object (fetch

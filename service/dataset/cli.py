@@ -197,11 +197,29 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     run.add_argument("input", help="JSONL, JSON, Parquet, or a save_to_disk directory")
     _common(run, many=True)
     run.add_argument("--output", required=True, help="directory or s3://bucket/prefix")
-    run.add_argument("--loss", choices=["none", "assistant", "last_turn", "all"], default="none")
+    run.add_argument(
+        "--loss",
+        choices=["none", "assistant", "last_turn", "all"],
+        default=None,
+        help="default: none; assistant with --regenerate",
+    )
     run.add_argument("--codec", default=None, help="raw, fp8, bf16, lossless (server's default)")
     run.add_argument("--layers", default=None, help="comma-separated subset of layer ids")
     run.add_argument("--max-tokens", type=int, default=1)
     run.add_argument("--include-output-tokens", action="store_true")
+    regen = run.add_argument_group("regeneration (on-policy data in one pass)")
+    regen.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="replace every assistant turn of each messages row with the target's own "
+        "answer, turn by turn, and store the conversation's states as generated",
+    )
+    regen.add_argument(
+        "--regenerate-max-tokens", type=int, default=256, help="tokens per turn (256)"
+    )
+    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    regen.add_argument("--top-p", type=float, default=1.0)
+    regen.add_argument("--seed", type=int, default=0, help="with each row's custom_id")
     run.add_argument("--max-length", type=int, default=None, help="default: the server's")
     run.add_argument(
         "--on-long",
@@ -254,7 +272,8 @@ def options_of(args: argparse.Namespace) -> Any:
         endpoints=args.endpoint,
         output=args.output,
         api_key=args.api_key or os.environ.get("HSX_API_KEY"),
-        loss=args.loss,
+        loss=args.loss or ("assistant" if args.regenerate else "none"),
+        regenerate=_regenerate_of(args),
         codec=args.codec,
         layers=[int(p) for p in args.layers.split(",")] if args.layers else None,
         max_tokens=args.max_tokens,
@@ -276,6 +295,20 @@ def options_of(args: argparse.Namespace) -> Any:
     if chosen is not None:
         print(f"hsx dataset: {chosen}", file=sys.stderr, flush=True)
     return options
+
+
+def _regenerate_of(args: argparse.Namespace) -> Any:
+    """``--regenerate``'s settings, or None without it (its sampling flags then unused)."""
+    if not args.regenerate:
+        return None
+    from service.dataset.options import RegenerateSettings
+
+    return RegenerateSettings(
+        max_tokens=args.regenerate_max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
 
 
 def _guarded(work: Any) -> int:

@@ -23,6 +23,8 @@ JOB = "job.json"
 SUMMARY = "summary.json"
 MANIFEST = "manifest"
 ERRORS = "errors"
+#: ``--regenerate``: one line per ok row, its conversation as regenerated.
+REGENERATED = "regenerated"
 
 
 class FingerprintMismatchError(Exception):
@@ -48,6 +50,8 @@ class Fingerprint(BaseModel):
     include_output_tokens: bool
     hsx_version: str
     shard: str | None = None
+    #: ``--regenerate``'s sampling settings and seed (None: the rows' own answers).
+    regenerate: dict[str, float | int] | None = None
 
 
 class Job(BaseModel):
@@ -82,6 +86,14 @@ class Record(BaseModel):
     retryable: bool = False
     statistics: LayerStatistics | None = Field(
         None, description="The object's per-layer sums, as the server returned them."
+    )
+    forward_tokens: int | None = Field(
+        None, description="--regenerate: tokens the target ran forward for the row."
+    )
+    recomputed_tokens: int | None = Field(
+        None,
+        description="--regenerate: tokens computed again because the prefix cache had "
+        "lost an earlier turn's blocks (the states are right; the pass cost more).",
     )
 
     @property

@@ -14,6 +14,18 @@ if TYPE_CHECKING:  # httpx loads with the run, not with the options
     from service.dataset.batch_api import RunRequest
 
 
+class RegenerateSettings(BaseModel):
+    """``--regenerate``: each conversation's assistant turns replaced by the target's own
+    answers (``regenerate`` on ``/extract``), with these sampling settings per turn."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(256, ge=1, description="Tokens each turn may generate.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0: greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = Field(0, ge=0, le=(1 << 63) - 1, description="With each row's custom_id.")
+
+
 class RunOptions(BaseModel):
     """One run: an input, the endpoints that share it, where its state goes."""
 
@@ -28,6 +40,9 @@ class RunOptions(BaseModel):
     layers: list[int] | None = Field(None, description="Sent as the request's layers.")
     max_tokens: int = Field(1, ge=1)
     include_output_tokens: bool = False
+    regenerate: RegenerateSettings | None = Field(
+        None, description="Regenerate every assistant turn (messages rows only)."
+    )
     max_length: int | None = Field(
         None, ge=1, description="Longest prompt in tokens (default: the server's limit)."
     )
@@ -85,6 +100,7 @@ class RunOptions(BaseModel):
             loss=self.loss,
             codec=self.codec,
             layers=self.layers,
+            regenerate=None if self.regenerate is None else self.regenerate.model_dump(),
         )
 
     def run_request(self, model: str | None = None) -> RunRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from service.dataset.manifest import ERRORS, MANIFEST, Record, error_line
+from service.dataset.manifest import ERRORS, MANIFEST, REGENERATED, Record, error_line
 from service.dataset.progress import Counters
 from service.dataset.store import RunStore
 
@@ -17,6 +17,8 @@ class Recorder:
         self.store, self.records, self.counters = store, records, counters
         self.manifest: list[str] = []
         self.errors: list[str] = []
+        #: ``--regenerate``: each ok row's conversation, written before its manifest line.
+        self.regenerated: list[str] = []
         self.lock = asyncio.Lock()
         self.flushed = time.monotonic()
 
@@ -45,6 +47,12 @@ class Recorder:
         """Lines a failed write did not take go back to the front of the buffers, so the
         next flush (the run's last one, at the latest) writes them or raises again."""
         async with self.lock:  # never two flushes at once
+            regenerated, self.regenerated = self.regenerated, []
+            try:
+                await self.store.append(REGENERATED, regenerated)
+            except BaseException:
+                self.regenerated[:0] = regenerated
+                raise
             manifest, self.manifest = self.manifest, []
             errors, self.errors = self.errors, []
             try:

@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import random
 import sys
 import time
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -458,6 +459,11 @@ class Run:
             statistics = await self.statistics_of(endpoint, obj)
             if item.done:
                 return
+        regenerated = obj.regenerated
+        if regenerated is not None:
+            self.recorder.regenerated.append(
+                regenerated_line(item.row.index, item.row.custom_id, obj.key, regenerated)
+            )
         self.recorder.add(
             Record(
                 row=item.row.index,
@@ -470,6 +476,8 @@ class Run:
                 sha256=obj.sha256,
                 found=obj.status == "found",
                 statistics=statistics,
+                forward_tokens=None if regenerated is None else regenerated["forward_tokens"],
+                recomputed_tokens=None if regenerated is None else regenerated["recomputed_tokens"],
             )
         )
         self.record_done(item)
@@ -540,6 +548,15 @@ class Run:
                 )
             else:
                 self.queue.put_nowait(item)
+
+
+def regenerated_line(row: int, custom_id: str, key: str, regenerated: dict[str, Any]) -> str:
+    """A ``regenerated.jsonl`` line: the row, its object, and its conversation as the
+    target wrote it (messages, token ids as stored, each turn's span and finish)."""
+    keep = ("messages", "token_ids", "turns", "seed", "settings", "input")
+    record = {"row": row, "custom_id": custom_id, "key": key}
+    record.update({name: regenerated[name] for name in keep if name in regenerated})
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
 
 
 def read_some(rows: Iterator[Row], count: int) -> tuple[list[Row], Exception | None]:

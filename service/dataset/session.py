@@ -99,4 +99,5 @@ def make_fingerprint(options: RunOptions, info: ServerInfo) -> Fingerprint:
         include_output_tokens=options.include_output_tokens,
         hsx_version=info.version,
         shard=f"{options.shard[0]}/{options.shard[1]}" if options.shard else None,
+        regenerate=None if options.regenerate is None else options.regenerate.model_dump(),
     )

@@ -42,7 +42,14 @@ from service.engine.provenance import Provenance
 from service.engine.vllm_patches.catalog import check_patches
 from service.engine.vllm_patches.mp_context import use_preloaded_processes
 from service.engine.vllm_patches.polling import QueuePolling
-from service.engine.wire import Completion, Extraction, RequestParams, TokenSelection
+from service.engine.wire import (
+    Completion,
+    Extraction,
+    Generated,
+    RequestParams,
+    Sampling,
+    TokenSelection,
+)
 from service.storage import Storage
 from service.storage.keys import is_idempotent_key, new_object_key
 
@@ -306,10 +313,36 @@ class Extractor:
             else:
                 self._keys_in_flight[key] = (lock, users - 1)
 
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: Sampling) -> Generated:
+        """Generate from ``prompt_token_ids`` and store nothing: a plain engine request
+        (no hsx parameters, so the connector holds no block and its blocks go back to
+        the prefix cache when it finishes). Raises what :meth:`extract` raises for the
+        engine's refusals and failures."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            detokenize=False,
+        )
+        final = await self._run(list(prompt_token_ids), params)
+        out = final.outputs[0]
+        return Generated(
+            token_ids=tuple(out.token_ids),
+            finish_reason=str(out.finish_reason),
+            cached_tokens=int(final.num_cached_tokens or 0),
+        )
+
+    @property
+    def prefix_block_size(self) -> int | None:
+        """Tokens per block of vLLM's prefix cache; None when prefix caching is off."""
+        cache = self.engine.vllm_config.cache_config
+        return int(cache.block_size) if cache.enable_prefix_caching else None
+
     async def _generate(self, params: RequestParams, prompt: list[int], max_tokens: int) -> Any:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -317,6 +350,12 @@ class Extractor:
             detokenize=False,
             extra_args=params.to_extra_args(),
         )
+        return await self._run(prompt, sampling)
+
+    async def _run(self, prompt: list[int], sampling: Any) -> Any:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
         final = None
         try:
             stream = self.engine.generate(
@@ -389,4 +428,5 @@ def _extraction(
         prompt_tokens=len(output.prompt_token_ids or ()),
         output_token_ids=tuple(output.outputs[0].token_ids) if output.outputs else (),
         codec=codec,
+        cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
     )

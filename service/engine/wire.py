@@ -333,3 +333,25 @@ class Extraction(StoredObject):
     """Tokens the engine generated (greedy)."""
     codec: str = "raw"
     """How the object stores its states (``service.codecs``)."""
+    cached_tokens: int = 0
+    """Prompt tokens vLLM's prefix cache held (its ``num_cached_tokens``): not computed
+    again for this object."""
+
+
+class Sampling(_Message):
+    """How a plain generation (``Extractor.generate``, regeneration's turns) samples."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+
+
+class Generated(_Message):
+    """What a plain generation produced: the token ids exactly as sampled (the stop
+    token included when the model stopped), why it stopped (vLLM's ``finish_reason``),
+    and how many prompt tokens the prefix cache held."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    cached_tokens: int = 0

@@ -40,7 +40,7 @@ from service.engine.metrics import ExtractorMetrics
 from service.engine.objects import object_metadata
 from service.engine.provenance import Provenance, build_provenance
 from service.engine.statistics import layer_statistics
-from service.engine.wire import Extraction, RequestParams
+from service.engine.wire import Extraction, Generated, RequestParams, Sampling
 from service.storage.base import AlreadyExistsError
 from service.storage.expiry import expires_at
 from service.storage.local import LocalStorage
@@ -152,6 +152,24 @@ class FakeExtractor:
             output_token_ids=tuple([3] * max_tokens),
             codec=params.codec,
         )
+
+    #: Plain generations (regeneration's turns) so far.
+    generations: int = 0
+    #: The fake's "prefix cache" block size (``prefix_block_size``).
+    prefix_block_size: int | None = 16
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: Sampling) -> Generated:
+        """A deterministic answer: up to four tokens drawn from the prompt and the seed,
+        then the tokenizer's end-of-sequence token when there is room (``stop``)."""
+        self.generations += 1
+        if not self.alive:
+            raise EngineUnavailableError("engine is dead")
+        base = sum(prompt_token_ids) + (sampling.seed or 0) * int(sampling.temperature > 0)
+        tokens = [10 + (base + 7 * i) % 200 for i in range(min(4, sampling.max_tokens))]
+        if sampling.max_tokens > 4:
+            tokens.append(int(self.tokenizer.eos_token_id))
+            return Generated(token_ids=tuple(tokens), finish_reason="stop")
+        return Generated(token_ids=tuple(tokens), finish_reason="length")
 
     async def on_workers(self, method: str) -> list[Any]:
         """No workers: no KV layout, no memory samples."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.api import extraction
+from service.api import extraction, regenerate
 from service.api.bounded_route import BoundedBodyRoute, body_check
 from service.api.deps import NamespaceDep, StateDep
 from service.api.idempotency import Found
@@ -63,7 +63,10 @@ async def extract(
     """Extract the hidden states of every prompt; one object per prompt."""
     deadline = request_deadline(request, state.settings.limits.request_timeout_s)
     with extraction.rejections(state):
-        job = await _job(state, body, namespace, deadline)
+        if body.regenerate is not None:
+            job: Job = await regenerate.build_job(state, body, namespace, deadline)
+        else:
+            job = await _job(state, body, namespace, deadline)
     outcomes = await extraction.run(state, job, partial(client_disconnected, request))
     return _response(state, successes(outcomes))
 
@@ -153,11 +156,12 @@ def _response(state: ApiState, objects: list[Extraction]) -> ExtractResponse:
                 bytes=o.size,
                 sha256=o.sha256,
                 num_loss_tokens=o.num_loss_tokens,
-                status="found" if isinstance(o, Found) else "created",
+                status="found" if isinstance(o, Found) or getattr(o, "found", False) else "created",
                 codec=o.codec,
                 statistics=o.statistics,
                 data=None if o.data is None else base64.b64encode(o.data).decode(),
                 transfer=None if o.transfer is None else o.transfer.model_dump(),
+                regenerated=getattr(o, "regenerated", None),
             )
             for i, o in enumerate(objects)
         ],
