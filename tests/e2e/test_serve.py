@@ -117,12 +117,41 @@ def test_dead_engine_makes_health_and_extract_503(tmp_path: Path, model_dir: Any
     assert "no API keys configured" in (tmp_path / "serve.log").read_text()
 
 
-def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_dir: Any) -> None:
-    # SIGKILL, as an OOM kill or a drain past its grace period would: no handler runs,
-    # so only the engine's own watch on its parent can end the EngineCore and worker.
-    # The server runs its completion channel on TCP (a free port), as it would with the
-    # writing rank on another node: an extraction first shows that channel works.
+def huge_pages_of_workers(server_pid: int) -> list[int]:
+    """AnonHugePages (kB) of each ``VLLM::Worker`` process under ``server_pid``."""
     import psutil
+
+    workers = [
+        child
+        for child in psutil.Process(server_pid).children(recursive=True)
+        if child.cmdline()[:1] and child.cmdline()[0].startswith("VLLM::Worker")
+    ]
+    assert workers, "no VLLM::Worker process under hsx serve"
+    sizes = []
+    for worker in workers:
+        rollup = Path(f"/proc/{worker.pid}/smaps_rollup").read_text()
+        found = re.search(r"^AnonHugePages:\s+(\d+) kB", rollup, re.MULTILINE)
+        assert found, rollup
+        sizes.append(int(found.group(1)))
+    return sizes
+
+
+def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_dir: Any) -> None:
+    """Two things of one server, to start one engine rather than two:
+
+    - ``hsx serve`` as users start it (no switch in its environment) backs the worker's
+      large tensors (weights, KV cache, activations) with transparent huge pages
+      (``engine.cpu_huge_pages``, ``service/engine/hugepages.py``), where the kernel
+      gives them to memory that asks (its mode ``madvise`` or ``always``);
+    - SIGKILL, as an OOM kill or a drain past its grace period would: no handler runs,
+      so only the engine's own watch on its parent can end the EngineCore and worker.
+
+    The server runs its completion channel on TCP (a free port), as it would with the
+    writing rank on another node: an extraction first shows that channel works.
+    """
+    import psutil
+
+    from service.engine.hugepages import system_mode
 
     env = {**tiny_model(model_dir), "HSX_ENGINE__COMPLETION_ADDRESS": "tcp://127.0.0.1:0"}
     with hsx_serve(tmp_path, env) as served:
@@ -133,6 +162,8 @@ def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_d
         assert answer.status_code == 200, answer.text
         assert answer.json()["objects"][0]["num_tokens"] == 3
         assert "reached the API" in served.output()
+        if system_mode() in ("madvise", "always"):  # else the kernel gives none here
+            assert all(size >= 2048 for size in huge_pages_of_workers(proc.pid))
         engine = psutil.Process(proc.pid).children(recursive=True)
         assert any("EngineCore" in " ".join(child.cmdline()) for child in engine)
         proc.kill()
@@ -142,36 +173,6 @@ def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_d
         child.kill()
     assert not alive, [child.cmdline() for child in alive]
     assert "the process that started this engine is gone" in (tmp_path / "serve.log").read_text()
-
-
-def test_the_engine_worker_computes_on_huge_pages(tmp_path: Path, model_dir: Any) -> None:
-    """``hsx serve`` as users start it (no switch in its environment) backs the worker's
-    large tensors (weights, KV cache, activations) with transparent huge pages
-    (``engine.cpu_huge_pages``, ``service/engine/hugepages.py``), where the kernel
-    gives them to memory that asks (its mode ``madvise`` or ``always``)."""
-    import psutil
-
-    from service.engine.hugepages import system_mode
-
-    mode = system_mode()
-    if mode not in ("madvise", "always"):
-        pytest.skip(f"the kernel gives no transparent huge pages here ({mode})")
-    with hsx_serve(tmp_path, tiny_model(model_dir)) as served:
-        answer = httpx.post(
-            f"{served.url}/extract", json={"prompts": [{"token_ids": [5, 6, 7]}]}, timeout=60
-        )
-        assert answer.status_code == 200, answer.text
-        workers = [
-            child
-            for child in psutil.Process(served.proc.pid).children(recursive=True)
-            if child.cmdline()[:1] and child.cmdline()[0].startswith("VLLM::Worker")
-        ]
-        assert workers, "no VLLM::Worker process under hsx serve"
-        for worker in workers:
-            rollup = Path(f"/proc/{worker.pid}/smaps_rollup").read_text()
-            found = re.search(r"^AnonHugePages:\s+(\d+) kB", rollup, re.MULTILINE)
-            assert found, rollup
-            assert int(found.group(1)) >= 2048, rollup
 
 
 def test_signal_marks_the_app_draining_before_uvicorn_stops() -> None:
