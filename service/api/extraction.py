@@ -25,7 +25,7 @@ from service.api.idempotency import extract_once
 from service.api.job import ExtractOptions, Job
 from service.api.outcomes import Outcome, as_outcome, error_name, outcome_of
 from service.api.pool import timeout_error
-from service.api.state import ApiState
+from service.api.state import ApiState, ensure_serving
 from service.engine.wire import Extraction
 from service.storage.keys import new_object_key
 
@@ -57,16 +57,6 @@ def rejections(state: ApiState) -> Iterator[None]:
     except ApiError as error:
         state.metrics.rejected(error.detail.type)
         raise
-
-
-def ensure_serving(state: ApiState) -> None:
-    """ApiError 503 while the app drains or once the engine has died."""
-    if state.draining:
-        raise ApiError(
-            503, "unavailable", "the service is shutting down", headers={"Retry-After": "5"}
-        )
-    if not state.extractor.alive:
-        raise ApiError(503, "unavailable", "the engine is dead")
 
 
 @contextlib.contextmanager

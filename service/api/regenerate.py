@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from service.api import extraction
 from service.api.errors import ApiError, limit_error
 from service.api.idempotency import REQUEST_KEY, Found, _Check, request_options
 from service.api.job import ExtractOptions, Job
 from service.api.pool import in_pool
 from service.api.prompts import check_prompt_sizes, check_request_limits
 from service.api.schemas import REGENERATE_KEY, ExtractRequest, PromptObject, Regenerate
-from service.api.state import ApiState
+from service.api.state import ApiState, ensure_serving
 from service.api.turns import TurnBuilder, TurnError, check_renderable
 from service.engine.errors import InvalidPromptError, StorageWriteError
 from service.engine.wire import Extraction, Sampling
@@ -111,7 +110,7 @@ async def build_job(
     """The request checked (ApiError otherwise): limits, options, and each conversation
     renderable with a user turn and room for an answer, before anything is generated."""
     check_request_limits(len(body.prompts), 1, state.settings.limits)
-    extraction.ensure_serving(state)
+    ensure_serving(state)
     check_request(body, state)
     extractor = state.extractor
     check_prompt_sizes(

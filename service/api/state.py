@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from service.api.auth import ApiKeys
 from service.api.body_limit import BodyBudget
+from service.api.errors import ApiError
 from service.api.extractor import ExtractorLike
 from service.api.metrics import EngineCollector, ExtractMetrics
 from service.api.singleflight import SingleFlight
@@ -132,3 +133,13 @@ class ApiState:
     @property
     def backend(self) -> str:
         return scheme_of(self.settings.storage.url)
+
+
+def ensure_serving(state: ApiState) -> None:
+    """ApiError 503 while the app drains or once the engine has died."""
+    if state.draining:
+        raise ApiError(
+            503, "unavailable", "the service is shutting down", headers={"Retry-After": "5"}
+        )
+    if not state.extractor.alive:
+        raise ApiError(503, "unavailable", "the engine is dead")
