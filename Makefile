@@ -92,9 +92,11 @@ SUITE_ENV := OMP_WAIT_POLICY=PASSIVE
 test: lint vllm-canary
 	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not bench_smoke" --durations=25 $(PYTEST_ARGS)
 
-# The inner loop: every test that starts no vLLM engine, on the same workers.
+# The inner loop: every test that starts no vLLM engine and takes no more than a few
+# seconds (marker slow: a process importing vLLM, a site build), on the same workers.
+# `make test` runs those too.
 test-fast: $(STAMP)
-	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine and not bench_smoke" -q $(PYTEST_ARGS)
+	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine and not slow and not bench_smoke" -q $(PYTEST_ARGS)
 
 # Every bench of `make bench` in its quick mode, its rows checked for form (about 5
 # minutes of worker time, half of it the drafter bench's): a broken bench fails here,

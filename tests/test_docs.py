@@ -39,6 +39,7 @@ def test_a_setting_added_without_its_row_is_caught() -> None:
     assert "| `new_knob` |" not in PAGE.read_text()
 
 
+@pytest.mark.slow
 def test_make_docs_builds_the_site_strictly(tmp_path: Path) -> None:
     site = tmp_path / "site"
     run = subprocess.run(

@@ -17,6 +17,9 @@ import pytest
 from service.engine.tiny_models import tiny_config
 from tests.e2e.test_startup_errors import assert_one_line, hsx_serve
 
+# hsx serve on model families, up to an engine's start: tens of seconds each.
+pytestmark = pytest.mark.slow
+
 
 def variant(tmp_path: Path, model: Path, **config: Any) -> Path:
     """``model`` with ``config`` over its config.json, its other files linked."""

@@ -23,6 +23,9 @@ import pytest
 from tests.support.mooncake import MooncakeMaster, master_fixture
 from tests.support.processes import SERVE, free_port, hsx_env, link_demo_model
 
+# Each case runs hsx serve to its exit, importing vLLM in a fresh process: seconds each.
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Run:

@@ -327,6 +327,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not on_cpu(), reason="the fork server is CPU-only (vLLM forks on a GPU)")
 @pytest.mark.parametrize("threads", ["idle", "thread", "pool task"])
 def test_serve_forks_the_server_from_itself_only_when_that_is_safe(

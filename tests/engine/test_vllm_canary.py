@@ -36,6 +36,7 @@ def wheel_or_skip(version: str) -> Path:
         pytest.skip(str(exc))
 
 
+@pytest.mark.slow
 def test_the_installed_vllm_is_as_declared(capsys: pytest.CaptureFixture[str]) -> None:
     assert canary.main(["--installed"]) == 0
     out = capsys.readouterr().out.splitlines()
