@@ -7,10 +7,12 @@ CPU:
 
 1. an hsx server on the demo model (SmolLM2-135M-Instruct, float32, layers
    [2, 15, 27, 30]) answers each seed question of ``benchmarks/drafter/questions.txt``
-   greedily through ``/v1/chat/completions``: the conversations are the target's own;
-2. ``hsx dataset run --loss assistant`` stores their hidden states twice, with the
-   ``raw`` and the ``fp8`` codec, and ``hsx dataset export --format speculators``
-   writes each as speculators' data directory: arms (a) and (b);
+   and stores the conversation's states in one pass, ``hsx dataset run --regenerate``
+   (greedy, the ``raw`` codec): the conversations are the target's own, their ids as
+   generated;
+2. ``hsx dataset run`` stores the same ids' states again with the ``fp8`` codec, and
+   ``hsx dataset export --format speculators`` writes each run as speculators' data
+   directory, both with the regenerated run's ids and masks: arms (a) and (b);
 3. ``benchmarks.drafter.reference`` recomputes every sample's states with transformers
    in float32 (arm (c)) and writes an all-zero copy (arm (d), vLLM #46301's failure);
 4. ``speculators train`` (its own code, through ``benchmarks.drafter.train_cpu``'s three
@@ -94,15 +96,18 @@ _HELD = FULL.questions // HOLDOUT_EVERY
 NOTES = f"""- **drafter proof (issue 25), data**: {FULL.questions} seed questions
   (`benchmarks/drafter/questions.txt`, written from templates: capitals, animals,
   science, how-tos, poems, code, arithmetic, translations), each answered by the demo
-  model itself (SmolLM2-135M-Instruct, float32) through hsx's `/v1/chat/completions`,
-  greedy, at most {FULL.max_tokens} tokens (speculators' advice: regenerate the
-  responses with the target). Every {HOLDOUT_EVERY}th conversation is held out
-  ({_HELD}), the other {FULL.questions - _HELD} train. `hsx dataset run --loss
-  assistant` (codec `raw`, then `fp8`) and `hsx dataset export --format speculators`
-  make arms (a) and (b); arm (c) is the same samples' states from a transformers
-  float32 forward (`benchmarks/drafter/reference.py`), arm (d) the same files with
-  every state zero, as vLLM #46301 returned them. Ids, masks and `token_freq.pt` are
-  the same in all four, so the arms differ only in their hidden states.
+  model itself (SmolLM2-135M-Instruct, float32), greedy, at most {FULL.max_tokens}
+  tokens (speculators' advice: regenerate the responses with the target), in one pass:
+  `hsx dataset run --regenerate` generates each answer and stores the conversation's
+  states (codec `raw`), its ids as generated and its loss mask over the generated
+  tokens and the end-of-turn tokens. Every {HOLDOUT_EVERY}th conversation is held out
+  ({_HELD}), the other {FULL.questions - _HELD} train. `hsx dataset export --format
+  speculators` makes arm (a); arm (b) is `hsx dataset run` on the same ids with codec
+  `fp8`, exported with (a)'s ids, masks and `token_freq.pt`; arm (c) is the same
+  samples' states from a transformers float32 forward
+  (`benchmarks/drafter/reference.py`), arm (d) the same files with every state zero,
+  as vLLM #46301 returned them. Ids, masks and `token_freq.pt` are the same in all
+  four, so the arms differ only in their hidden states.
 - **drafter training**: `speculators train` 0.9.0 itself, once per arm, one after
   the other: EAGLE-3, one draft layer, draft vocabulary {DRAFT_VOCAB} (built from
   `token_freq.pt`, so the same in every arm), aux layers {list(TARGET_LAYERS)} plus
@@ -159,11 +164,7 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
     # The torch stages' process imports while the hsx server starts and answers.
     async with Preforked.start(TORCH_STAGES, work / "stages.log", child_env()) as stages:
         async with _timed(clock, "hsx"), hsx_server(model, work, eager=quick) as url:
-            conversations = await respond(url, model.name, train_q + held_q, size.max_tokens)
-            exports = {
-                codec: await extract_and_export(url, conversations, codec, work)
-                for codec in ("raw", "fp8")
-            }
+            exports = await regenerate_and_export(url, train_q + held_q, size.max_tokens, work)
         async with _timed(clock, "reference"):
             errors = await reference_arms(stages, model, exports, work, holdout=len(train_q))
         data = {
@@ -246,53 +247,87 @@ async def hsx_server(model: Path, work: Path, eager: bool = False) -> AsyncItera
         await extractor.close()
 
 
-async def respond(
-    url: str, model: str, questions: list[str], max_tokens: int
-) -> list[list[dict[str, str]]]:
-    """Each question with the target's own greedy answer, as a conversation."""
-    import httpx
-
-    limit = asyncio.Semaphore(16)
-
-    async def one(client: httpx.AsyncClient, question: str) -> list[dict[str, str]]:
-        user = {"role": "user", "content": question}
-        body = {"model": model, "messages": [user], "max_tokens": max_tokens, "temperature": 0}
-        async with limit:
-            response = await client.post(f"{url}/v1/chat/completions", json=body)
-        response.raise_for_status()
-        answer = response.json()["choices"][0]["message"]["content"]
-        return [user, {"role": "assistant", "content": answer}]
-
-    async with httpx.AsyncClient(timeout=600) as client:
-        return await asyncio.gather(*(one(client, q) for q in questions))
+async def regenerate_and_export(
+    url: str, questions: list[str], max_tokens: int, work: Path
+) -> dict[str, Path]:
+    """Arms (a) and (b) (:func:`regenerate` and :func:`fp8_arm`): the exported
+    directories by codec."""
+    raw, lines = await regenerate(url, questions, max_tokens, work)
+    return {"raw": raw, "fp8": await fp8_arm(url, raw, lines, work)}
 
 
-async def extract_and_export(
-    url: str, conversations: list[list[dict[str, str]]], codec: str, work: Path
-) -> Path:
-    """``hsx dataset run`` with ``codec`` and loss masks on the assistant turns, then
-    ``hsx dataset export --format speculators``; the exported directory."""
-    source = work / f"conversations-{codec}.jsonl"
-    # custom_ids of its own per codec: the same id would find the other run's object.
+async def regenerate(
+    url: str, questions: list[str], max_tokens: int, work: Path
+) -> tuple[Path, list[dict[str, Any]]]:
+    """``hsx dataset run --regenerate``: every question answered greedily and its
+    conversation's states stored (``raw``) in one pass, exported ``--format
+    speculators``; the exported directory and each row's ``regenerated.jsonl`` line,
+    in row order."""
+    source = work / "questions.jsonl"
     source.write_text(
         "".join(
-            json.dumps({"custom_id": f"{codec}-{i:04d}", "messages": messages}) + "\n"
-            for i, messages in enumerate(conversations)
+            json.dumps({"custom_id": f"q-{i:04d}", "messages": [{"role": "user", "content": q}]})
+            + "\n"
+            for i, q in enumerate(questions)
         )
     )
+    raw = await run_and_export(
+        url, source, "raw", work,
+        "--regenerate", "--regenerate-max-tokens", str(max_tokens), "--loss", "assistant",
+    )  # fmt: skip
+    lines = [json.loads(line) for line in (work / "run-raw" / "regenerated.jsonl").open()]
+    by_row = {line["row"]: line for line in lines}  # a row's last line wins
+    assert sorted(by_row) == list(range(len(questions))), "rows missing from regenerated.jsonl"
+    return raw, [by_row[row] for row in sorted(by_row)]
+
+
+async def fp8_arm(url: str, raw: Path, lines: list[dict[str, Any]], work: Path) -> Path:
+    """Arm (b): the regenerated ids as given, stored with ``fp8`` and exported with
+    ``raw``'s ids, loss masks and ``token_freq.pt``."""
+    # custom_ids of its own: the same id would find the raw run's object.
+    ids = work / "conversations-fp8.jsonl"
+    ids.write_text(
+        "".join(
+            json.dumps({"custom_id": f"fp8-{line['row']:04d}", "token_ids": line["token_ids"]})
+            + "\n"
+            for line in lines
+        )
+    )
+    fp8 = await run_and_export(url, ids, "fp8", work, "--loss", "all")
+    await asyncio.to_thread(adopt_layout, raw, fp8)
+    return fp8
+
+
+async def run_and_export(url: str, source: Path, codec: str, work: Path, *flags: str) -> Path:
+    """``hsx dataset run`` of ``source`` with ``codec`` and ``flags``, then ``hsx
+    dataset export --format speculators``; the exported directory."""
     output, dest = work / f"run-{codec}", work / f"export-{codec}"
     await _child(
         "service", "dataset", "run", str(source), "--endpoint", url, "--output", str(output),
-        "--loss", "assistant", "--codec", codec, "--concurrency", "4", "--batch-size", "8",
-        "--no-progress", log=work / f"dataset-run-{codec}.log",
+        "--codec", codec, "--concurrency", "4", "--batch-size", "8", "--no-progress", *flags,
+        log=work / f"dataset-run-{codec}.log",
     )  # fmt: skip
     summary = json.loads((output / "summary.json").read_text())
-    assert summary["ok"] == len(conversations), summary
+    rows = sum(1 for line in source.open() if line.strip())
+    assert summary["ok"] == rows, summary
     await _child(
         "service", "dataset", "export", str(output), str(dest), "--format", "speculators",
         "--endpoint", url, log=work / f"dataset-export-{codec}.log",
     )  # fmt: skip
     return dest
+
+
+def adopt_layout(source: Path, dest: Path) -> None:
+    """``dest``'s dataset files (ids, masks, ``token_freq.pt``) replaced by ``source``'s;
+    its hidden states kept (the reference checks their ids are ``source``'s)."""
+    import shutil
+
+    for item in dest.iterdir():
+        if item.is_file():
+            item.unlink()
+    for item in source.iterdir():
+        if item.is_file() and not item.name.startswith(("d2t-", "t2d-")):
+            shutil.copy2(item, dest / item.name)
 
 
 async def reference_arms(

@@ -26,6 +26,7 @@ from benchmarks import (
     handoff_bench,
     parallel_bench,
     real_model_bench,
+    regenerate_bench,
     storage_bench,
     validation_bench,
 )
@@ -40,6 +41,7 @@ ENGINE_BENCHES = (
     export_bench,
     engine_bench,
     parallel_bench,
+    regenerate_bench,
     drafter_bench,
 )
 #: Every bench whose notes go under the table, in the table's order.

@@ -11,7 +11,8 @@ Across a run directory it also checks that no row's mean token norm is an outlie
 its layer (``service.dataset.statistics``) and that every object carries the same
 ``hsx.provenance.*`` metadata (unless mixed provenance is allowed). On request
 (:class:`Checks`) it compares a sample with transformers (``service.dataset.parity``)
-and re-renders a sample of ``messages`` rows (``service.dataset.drift``).
+and re-renders a sample of ``messages`` rows (``service.dataset.drift``; a
+``--regenerate`` run's, the conversations it wrote: ``service.dataset.regenerated``).
 """
 
 from __future__ import annotations
@@ -171,17 +172,21 @@ async def _check_drift(
     checks: Checks,
     model: str | None,
 ) -> None:
-    """Token drift of each run directory's sampled messages rows (one tokenizer load)."""
+    """Token drift of each run directory's sampled messages rows (one tokenizer load);
+    a ``--regenerate`` run's rows against the conversations it wrote, not its input."""
+    from service.dataset import regenerated
     from service.dataset.drift import drift_check, load_tokenizer, message_rows
 
-    if not any(message_rows(job) for _, job in runs):
+    def regenerating(job: Job) -> bool:
+        return job.fingerprint.regenerate is not None
+
+    if not any(regenerating(job) or message_rows(job) for _, job in runs):
         return  # no messages rows (or no readable input): nothing to load a tokenizer for
     model = model or await _model(checks, runs)
     tokenizer = await asyncio.to_thread(load_tokenizer, model)
     for store, job in runs:
-        found = await drift_check(
-            client, store, job, tokenizer, checks.drift_rows, checks.parity_seed
-        )
+        check = regenerated.drift_check if regenerating(job) else drift_check
+        found = await check(client, store, job, tokenizer, checks.drift_rows, checks.parity_seed)
         report.drift_checked += found.checked
         report.problems += found.problems
 

@@ -2,8 +2,8 @@
 smallest size that still trains.
 
 The drafter bench's own steps (``benchmarks/drafter_bench.py``) on 8 seed questions:
-an hsx server on the demo model answers them through ``/v1/chat/completions``,
-``hsx dataset run --loss assistant`` stores their states, ``hsx dataset export
+an hsx server on the demo model answers them and stores their states in one pass
+(``hsx dataset run --regenerate``), ``hsx dataset export
 --format speculators`` writes speculators' data directory, and ``speculators train``
 (through ``benchmarks.drafter.train_cpu``'s CPU patches) trains one epoch of one arm on
 it. The bench's quick run of all four arms, the scoring and vLLM's acceptance length
@@ -34,14 +34,15 @@ async def test_hsx_states_train_a_drafter(tmp_path: Path, demo_model: Path) -> N
     # The torch stages' process imports while the hsx server starts and answers.
     async with Preforked.start(drafter_bench.TORCH_STAGES, stages_log, env) as stages:
         async with drafter_bench.hsx_server(demo_model, tmp_path, eager=True) as url:
-            conversations = await drafter_bench.respond(
-                url, demo_model.name, train_q + held_q, SMOKE.max_tokens
+            data, lines = await drafter_bench.regenerate(
+                url, train_q + held_q, SMOKE.max_tokens, tmp_path
             )
-            data = await drafter_bench.extract_and_export(url, conversations, "raw", tmp_path)
         save = tmp_path / "drafter"
         checkpoint, peak_mib = await drafter_bench.train(stages, demo_model, data, save, SMOKE)
 
-    assert all(turn[1]["content"] for turn in conversations)  # the target answered each
+    # The target answered each question.
+    assert all(line["messages"][-1]["content"] for line in lines)
+    assert all(line["turns"][0]["generated"] > 0 for line in lines)
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3", config
     assert (checkpoint / "model.safetensors").stat().st_size > 0
