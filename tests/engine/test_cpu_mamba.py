@@ -1,12 +1,23 @@
-"""Our CPU conv update against a plain causal convolution over the whole sequence."""
+"""hsx's Mamba patches without an engine: our CPU conv update against a plain causal
+convolution over the whole sequence, and the first prompt chunk's placeholder drafts
+taken back from vLLM's own scheduler output, counted by vLLM's own count update (the
+engine tests run both through the engine: tests/engine/test_hybrid_s3.py)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from vllm import SamplingParams
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
 from service.engine.vllm_patches.cpu_mamba import causal_conv1d_update_spec
+from service.engine.vllm_patches.mamba_padding import take_back_first_chunk_padding
 
 WIDTH, DIM = 4, 6
 
@@ -99,3 +110,60 @@ def test_vllm_cpu_kernel_still_needs_the_fix(parts: tuple[torch.Tensor, ...]) ->
         pad_slot_id=0,
     )
     assert not torch.allclose(out[0], full_conv(tokens, weight, bias)[:, 4], atol=1e-3)
+
+
+def scheduled(
+    prompt: list[int], computed: int, tokens: int, drafts: list[int] | None
+) -> tuple[Any, Request, SchedulerOutput]:
+    """A new request as ``Scheduler.schedule`` hands it over: ``tokens`` scheduled after
+    ``computed`` of ``prompt``, with ``drafts``; vLLM's own ``_update_after_schedule``
+    has advanced its counts."""
+    request = Request("r", prompt, SamplingParams(max_tokens=4), None)
+    request.num_computed_tokens = computed
+    output = SchedulerOutput.make_empty()
+    output.scheduled_new_reqs = [NewRequestData.from_request(request, ([1, 2],))]
+    output.num_scheduled_tokens = {"r": tokens}
+    output.total_num_scheduled_tokens = tokens + 2  # beside a decoding request's two
+    output.scheduled_spec_decode_tokens = {} if drafts is None else {"r": drafts}
+    scheduler: Any = SimpleNamespace(
+        requests={"r": request}, defer_block_free=False, _inflight_prefills=set()
+    )
+    Scheduler._update_after_schedule(scheduler, output)
+    return scheduler, request, output
+
+
+def counts(request: Request, output: SchedulerOutput) -> tuple[Any, ...]:
+    return (
+        output.num_scheduled_tokens,
+        output.total_num_scheduled_tokens,
+        output.scheduled_spec_decode_tokens,
+        request.num_computed_tokens,
+        request.num_in_flight_tokens,
+        request.is_prefill_chunk,
+    )
+
+
+def test_a_padded_one_token_prompt_becomes_the_step_vllm_schedules_unpadded() -> None:
+    scheduler, padded, output = scheduled([5], computed=0, tokens=2, drafts=[-1])
+    assert take_back_first_chunk_padding(scheduler, output) == ["r"]
+    _, plain, unpadded = scheduled([5], computed=0, tokens=1, drafts=None)
+    assert counts(padded, output) == counts(plain, unpadded)
+    assert counts(padded, output)[:4] == ({"r": 1}, 3, {}, 1)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "computed", "tokens", "drafts"),
+    [
+        ([5, 6, 7], 2, 2, [-1]),  # a last prompt token after state: vLLM decodes it
+        (list(range(3, 43)), 0, 40, None),  # a prompt of 40: no drafts
+        ([5], 0, 2, [9]),  # a real draft token is never taken back
+    ],
+    ids=["stateful-tail", "long-prompt", "real-draft"],
+)
+def test_every_other_row_is_left_as_vllm_scheduled_it(
+    prompt: list[int], computed: int, tokens: int, drafts: list[int] | None
+) -> None:
+    scheduler, request, output = scheduled(prompt, computed, tokens, drafts)
+    before = counts(request, output)
+    assert take_back_first_chunk_padding(scheduler, output) == []
+    assert counts(request, output) == before

@@ -11,7 +11,13 @@ import torch
 
 from tests.conftest import s3_settings
 from tests.engine.checks import assert_object_matches
-from tests.engine.conftest import PROMPT_LENGTHS, engine_settings, random_prompts, running
+from tests.engine.conftest import (
+    PROMPT_LENGTHS,
+    engine_settings,
+    random_prompts,
+    running,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 RETRY_503 = "tests.engine.faulty:open_s3_with_503s"
@@ -95,6 +101,62 @@ async def test_hybrid_output_token_states_match_transformers(hybrid: Any, s3_adm
         # The last generated token was never an input, so it has no state.
         body = s3_admin.get_object(Bucket="hsx-hybrid", Key=f"runs/{result.key}")["Body"].read()
         assert_object_matches(body, model, prompt + generated[:-1], hybrid.layer_ids, result)
+
+
+async def test_a_one_token_prompt_arriving_while_another_decodes(
+    hybrid: Any, s3_admin: Any
+) -> None:
+    """A 1-token prompt sent while another request decodes: its generated tokens are
+    transformers' greedy ones and its states (generated tokens included) equal
+    transformers' float32.
+
+    vLLM pads such a prompt with a placeholder draft to a decode's two rows, and the
+    Mamba prefill of that row stored the placeholder's state: its generated tokens
+    diverged and their states were 0.7-1.6 off, its prompt token exact, until
+    service/engine/vllm_patches/mamba_padding.py. Prompts sent at the same moment are
+    scheduled together and never show it: here the 1-token prompt goes once the other
+    has generated a token."""
+    from tests.engine.reference import load
+
+    model = hybrid.settings.engine.model
+    long, short = random_prompts([24, 1], seed=83)
+    generated_before = _generated_tokens()
+    decoding = asyncio.ensure_future(
+        hybrid.extract(
+            long, hybrid.request_params("hybrid", include_output_tokens=True), max_tokens=48
+        )
+    )
+    await wait_until(lambda: _generated_tokens() > generated_before, 120)
+    assert _generated_tokens() > generated_before, "the long prompt never started decoding"
+    result = await hybrid.extract(
+        short, hybrid.request_params("hybrid", include_output_tokens=True), max_tokens=6
+    )
+    assert not decoding.done(), "the 1-token prompt did not run beside a decoding request"
+    results = [(short, result), (long, await decoding)]
+    for prompt, extraction in results:
+        generated = list(extraction.output_token_ids)
+        expected = (
+            load(model)
+            .generate(torch.tensor([prompt]), max_new_tokens=len(generated), do_sample=False)[0]
+            .tolist()
+        )
+        assert prompt + generated == expected
+        key = f"runs/{extraction.key}"
+        body = s3_admin.get_object(Bucket="hsx-hybrid", Key=key)["Body"].read()
+        assert_object_matches(body, model, prompt + generated[:-1], hybrid.layer_ids, extraction)
+
+
+def _generated_tokens() -> float:
+    """Tokens vLLM generated in this process's engines so far (its own counter)."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        if family.name == "vllm:generation_tokens"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
 
 
 async def test_storage_metrics_equal_the_work_on_s3(hybrid: Any, s3_admin: Any) -> None:

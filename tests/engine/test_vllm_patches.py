@@ -104,7 +104,11 @@ def test_a_patch_is_off_where_one_it_builds_on_is_off(monkeypatch: pytest.Monkey
 
 def test_start_up_checks_only_the_patches_the_settings_use() -> None:
     names = {p.name for p in catalog.in_use(EngineSettings(preload_engine_processes=False))}
-    assert names == {"skip-unused-draft-fetches", "cpu-mamba-conv-update"}
+    assert names == {
+        "skip-unused-draft-fetches",
+        "cpu-mamba-conv-update",
+        "unpadded-first-mamba-chunks",
+    }
     every = {p.name for p in catalog.in_use(EngineSettings())}
     assert every == {p.name for p in catalog.PATCHES} - {
         "cpython-fork-server",

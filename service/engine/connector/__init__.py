@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from service.engine.connector.common import HsxConnectorMetadata, find_hidden_state_group
 from service.engine.lifeline import exit_with_parent, exit_without_a_heap_scan, shut_down_cleanly
+from service.engine.vllm_patches import mamba_padding
 from service.engine.vllm_patches.drafts import skip_unused_draft_fetches
 from service.engine.wire import ConnectorConfig
 
@@ -97,6 +98,8 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             exit_with_parent()
             # Most of hsx's requests finish with their prompt: their drafts go unused.
             skip_unused_draft_fetches()
+            # A Mamba model's new one-token prompt gets no placeholder draft.
+            mamba_padding.install(kv_cache_config)
         else:
             from service.engine.connector.worker import HsxConnectorWorker
 

@@ -15,6 +15,8 @@ stops ``hsx serve`` at start-up naming it and the vLLM version.
 - ``polling``: vLLM's shared-memory queues sleep between polls (performance, CPU).
 - ``cpu_mamba``: a correct CPU Mamba2 conv update under speculative decoding
   (correctness, CPU).
+- ``mamba_padding``: no placeholder drafts on a Mamba model's first prompt chunk, whose
+  prefill would store the placeholder's state (correctness, CPU).
 
 ``touchpoints`` lists what hsx only reads or builds on; ``catalog`` holds them all;
 ``version`` the vLLM releases hsx supports. ``python -m service.engine.vllm_patches``

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from service.engine.vllm_patches import cpu_mamba, drafts, forkserver, mp_context, openmp, polling
+from service.engine.vllm_patches import (
+    cpu_mamba,
+    drafts,
+    forkserver,
+    mamba_padding,
+    mp_context,
+    openmp,
+    polling,
+)
 from service.engine.vllm_patches.registry import TouchPoint, applies
 from service.engine.vllm_patches.touchpoints import READ_ONLY
 
@@ -24,6 +32,7 @@ PATCHES: tuple[TouchPoint, ...] = (
     polling.PAUSE,
     polling.SPIN_THEN_PAUSE,
     cpu_mamba.PATCH,
+    mamba_padding.PATCH,
 )
 TOUCH_POINTS: tuple[TouchPoint, ...] = PATCHES + READ_ONLY
 
@@ -32,7 +41,7 @@ def in_use(engine: EngineSettings) -> tuple[TouchPoint, ...]:
     """The patches an engine of these settings would install, where they apply: the
     preloaded processes' only with ``preload_engine_processes``, the queue polling's
     only with a pause (and a spin) to make."""
-    used = [drafts.PATCH, cpu_mamba.PATCH]
+    used = [drafts.PATCH, cpu_mamba.PATCH, mamba_padding.PATCH]
     if engine.preload_engine_processes:
         used.append(mp_context.PATCH)
         if engine.cpu_poll_interval_us > 0:
