@@ -10,8 +10,9 @@ says how). The ``/metrics`` gauge of the mean token norm is fed from them too.
 Sums are float64 over the finite values; the writer refuses non-finite states first
 (``validation.py``), so ``non_finite`` reads 0 for every stored object. The work is
 one pass over the states in chunks of at most ``CHUNK_VALUES`` values (each chunk
-widened to float64 once, then five reductions of it), so the temporary memory stays
-small whatever the object's size; its cost is in docs/design.md ("Provenance and
+widened to float64 once, then four reductions of it into each token row's results,
+from which the per-layer totals are taken once), so the temporary memory stays small
+whatever the object's size; its cost is in docs/design.md ("Provenance and
 statistics").
 """
 
@@ -37,13 +38,23 @@ def layer_statistics(states: torch.Tensor) -> LayerStatistics:
     import torch
 
     tokens, layers, hidden = states.shape
-    totals = torch.zeros(5, layers, dtype=torch.float64)  # sum, sq, abs, norm, max
-    counts = torch.zeros(2, layers, dtype=torch.int64)  # zero rows, non-finite
-    rows = max(1, CHUNK_VALUES // max(1, layers * hidden))
-    for start in range(0, tokens, rows):
-        _accumulate(states[start : start + rows], totals, counts)
+    rows = _row_reductions(states)  # sum, L2 norm, sum |x|, max |x| of each token row
+    non_finite = torch.zeros(layers, dtype=torch.int64)
+    # NaN or Inf anywhere makes its row's sum or max non-finite: only then mask them.
+    if not bool(torch.isfinite(rows[0]).all() and torch.isfinite(rows[3]).all()):
+        rows = _row_reductions(states, non_finite)
+    row_sum, row_norm, row_abs, row_max = rows
+    zeros = torch.zeros(layers, dtype=torch.float64)
+    totals = torch.stack(
+        [
+            row_sum.sum(dim=0),
+            (row_norm * row_norm).sum(dim=0),
+            row_abs.sum(dim=0),
+            row_norm.sum(dim=0),
+            row_max.amax(dim=0) if tokens else zeros,
+        ]
+    )
     sums, sq, absolute, norms, max_abs = totals.tolist()
-    zero_rows, non_finite = counts.tolist()
     return LayerStatistics(
         num_tokens=tokens,
         hidden_size=hidden,
@@ -52,45 +63,45 @@ def layer_statistics(states: torch.Tensor) -> LayerStatistics:
         sum_abs=absolute,
         max_abs=max_abs,
         sum_token_norm=norms,
-        zero_rows=zero_rows,
-        non_finite=non_finite,
+        zero_rows=(row_max == 0).sum(dim=0).tolist(),
+        non_finite=non_finite.tolist(),
     )
 
 
-def _accumulate(x: torch.Tensor, totals: torch.Tensor, counts: torch.Tensor) -> None:
-    """Add one chunk of token rows [rows, layers, hidden] to the running float64 sums."""
-    import torch
+def _row_reductions(states: torch.Tensor, non_finite: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token row's sum, L2 norm, sum of ``|x|`` and max of ``|x|``, in float64:
+    [4, tokens, layers]. With ``non_finite`` (int64 [layers]), NaN and Inf count there
+    per layer and are reduced as 0.
 
-    row_sum, row_norm, row_abs, row_max = _row_reductions(x)
-    # NaN or Inf anywhere makes its row's sum or max non-finite: only then mask them.
-    if not bool(torch.isfinite(row_sum).all() and torch.isfinite(row_max).all()):
-        finite = torch.isfinite(x)
-        counts[1] += (~finite).sum(dim=(0, 2))
-        row_sum, row_norm, row_abs, row_max = _row_reductions(torch.where(finite, x, 0))
-    totals[0] += row_sum.sum(dim=0)
-    totals[1] += (row_norm * row_norm).sum(dim=0)
-    totals[2] += row_abs.sum(dim=0)
-    totals[3] += row_norm.sum(dim=0)
-    totals[4] = torch.maximum(totals[4], row_max.amax(dim=0))
-    counts[0] += (row_max == 0).sum(dim=0)
-
-
-def _row_reductions(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each token row's sum, L2 norm, sum of ``|x|`` and max of ``|x|`` [rows, layers],
-    in float64.
-
-    The chunk is widened to float64 once and every reduction reads that copy: a float64
-    reduction of a narrower tensor (``dtype=``) makes its own widened copy each time,
-    which was most of this work (three copies a chunk). ``|x|`` overwrites the copy once
-    the signed sum and the norm have read it; its sum and max are plain reductions,
-    where ``vector_norm``'s 1- and inf-norms take a slow path on the CPU (10x and 30x a
-    sum on one thread here). The conversion is exact, so the sums are those of the
+    The states go through one float64 buffer of at most ``CHUNK_VALUES`` values, a
+    chunk of token rows at a time: each chunk is widened into it once and every
+    reduction reads that copy (a float64 reduction of a narrower tensor, ``dtype=``,
+    makes its own widened copy each time, which was most of this work). ``|x|``
+    overwrites the copy once the signed sum and the norm have read it; its sum and max
+    are plain reductions, where ``vector_norm``'s 1- and inf-norms take a slow path on
+    the CPU (10x and 30x a sum on one thread here). Each reduction writes its rows of
+    one [4, tokens, layers] result, and the per-layer totals are taken from it once:
+    the small operations per chunk (checks, running sums) cost more than the reductions
+    on objects of a few MiB. The conversion is exact, so the sums are those of the
     float64 values whatever the states' dtype.
     """
     import torch
 
-    wide = x.to(torch.float64)
-    row_sum = wide.sum(dim=2)
-    row_norm = torch.linalg.vector_norm(wide, 2, dim=2)
-    magnitude = wide.abs_()
-    return row_sum, row_norm, magnitude.sum(dim=2), magnitude.amax(dim=2)
+    tokens, layers, hidden = states.shape
+    out = torch.empty(4, tokens, layers, dtype=torch.float64)
+    step = max(1, CHUNK_VALUES // max(1, layers * hidden))
+    wide = torch.empty(min(step, tokens), layers, hidden, dtype=torch.float64)
+    for start in range(0, tokens, step):
+        chunk = states[start : start + step]
+        end = start + chunk.shape[0]
+        buffer = wide[: chunk.shape[0]]
+        buffer.copy_(chunk)
+        if non_finite is not None:
+            non_finite += (~torch.isfinite(buffer)).sum(dim=(0, 2))
+            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        torch.sum(buffer, dim=2, out=out[0, start:end])
+        torch.linalg.vector_norm(buffer, 2, dim=2, out=out[1, start:end])
+        buffer.abs_()
+        torch.sum(buffer, dim=2, out=out[2, start:end])
+        torch.amax(buffer, dim=2, out=out[3, start:end])
+    return out

@@ -57,6 +57,31 @@ async def test_quick_engine_bench_gives_every_row(tmp_path: Path, aws_env: None)
     assert rss.ratio == pytest.approx(int(rss.ours.split()[0]) / (ceiling + margin), abs=0.01)
 
 
+async def test_quick_shipped_bench_gives_a_row_per_set(tmp_path: Path) -> None:
+    """`hsx serve` and `vllm serve` with vLLM's connector, one start each on the tiny
+    model: one row per set, each naming both sides' throughput and CPU by process."""
+    from benchmarks import shipped_bench
+
+    rows = await shipped_bench.run(tmp_path, timed, quick=True)
+
+    plan = shipped_bench.QUICK
+    assert [row.name.split(" (ratio", 1)[0] for row in rows] == [
+        f"as shipped: hsx serve vs vllm serve + its connector, {model.label}, {s.name}"
+        for model in plan.models
+        for s in plan.sets
+    ]
+    for row in rows:
+        assert re.fullmatch(r"[1-9]\d* tok/s", row.ours), row
+        assert re.fullmatch(r"[1-9]\d* tok/s", row.baseline), row
+        ours, baseline = (int(text.split()[0]) for text in (row.ours, row.baseline))
+        assert row.ratio == pytest.approx(ours / baseline, abs=0.01), row
+        assert row.target == ">= 1.0"
+        # Both servers did the work: each side's worker spent CPU on the set.
+        cpu = row.name.split("CPU s per set: ", 1)[1]
+        assert re.search(r"hsx: .*worker \d+\.\d", cpu), row
+        assert re.search(r"vLLM: .*worker \d+\.\d", cpu), row
+
+
 @pytest.mark.parametrize(
     "name",
     [

