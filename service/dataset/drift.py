@@ -82,15 +82,20 @@ def pick(records: dict[int, Record], prompts: dict[int, Any], k: int, seed: int)
     return ok if k >= len(ok) else random.Random(seed).sample(ok, k)
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where ``a`` and ``b`` differ (the shorter's length when one
+    is a prefix of the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def differs(stored: list[int], rendered: list[int], with_outputs: bool) -> str | None:
     """Where the stored ids leave the render (None: they agree)."""
     head = stored[: len(rendered)] if with_outputs else stored
     if head == rendered:
         return None
-    same = next(
-        (i for i, (a, b) in enumerate(zip(head, rendered, strict=False)) if a != b),
-        min(len(head), len(rendered)),
-    )
+    same = first_difference(head, rendered)
     return (
         f"token drift: stored token ids ({len(stored)}) differ from the chat template's "
         f"render ({len(rendered)}) from position {same}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from service.dataset.drift import DriftReport, pick, template_problem
+from service.dataset.drift import DriftReport, first_difference, pick, template_problem
 from service.dataset.manifest import REGENERATED, Job, load_records
 from service.dataset.store import RunStore
 from service.masks import conversation_ids
@@ -61,10 +61,7 @@ def render_parting(tokenizer: Any, record: dict[str, Any]) -> str | None:
     rendered = conversation_ids(tokenizer, record["messages"])
     if rendered == stored:
         return None
-    at = next(
-        (i for i, (a, b) in enumerate(zip(stored, rendered, strict=False)) if a != b),
-        min(len(stored), len(rendered)),
-    )
+    at = first_difference(stored, rendered)
     return (
         f"the render differs from the stored ids at token {at} ({len(stored)} stored, "
         f"{len(rendered)} rendered)"
