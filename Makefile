@@ -6,7 +6,7 @@ EXTRAS ?= cpu,s3,dev,demo
 # The stamp is rebuilt whenever pyproject.toml changes, so a second run reuses the venv.
 STAMP  := $(VENV)/.hsx-installed
 
-.PHONY: install test test-fast lint fmt bench bench-smoke serve clean helm prometheus rdma-libs docs config-page
+.PHONY: install test test-fast test-system lint fmt bench bench-smoke serve clean helm prometheus rdma-libs docs config-page
 
 install: $(STAMP)
 
@@ -88,15 +88,21 @@ TEST_WORKERS ?= 2
 # processes alone get it: `make serve` runs with OpenMP's default.
 SUITE_ENV := OMP_WAIT_POLICY=PASSIVE
 # The benches' quick runs (marker bench_smoke) check the benches' rows, not hsx: they
-# run in `make bench-smoke`, not here.
+# run in `make bench-smoke`. The whole-system runs (marker system: many hsx serve
+# processes, real trainers, several engines in turn, minutes of the suite's budget)
+# run in `make test-system`, which `make bench` runs; docs/development.md lists them.
 test: lint vllm-canary
-	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not bench_smoke" --durations=25 $(PYTEST_ARGS)
+	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not bench_smoke and not system" --durations=25 $(PYTEST_ARGS)
+
+# The whole-system runs that `make test` leaves out (marker system), on the same workers.
+test-system: $(STAMP)
+	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "system and not bench_smoke" --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no vLLM engine and takes no more than a few
 # seconds (marker slow: a process importing vLLM, a site build), on the same workers.
 # `make test` runs those too.
 test-fast: $(STAMP)
-	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine and not slow and not bench_smoke" -q $(PYTEST_ARGS)
+	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine and not slow and not bench_smoke and not system" -q $(PYTEST_ARGS)
 
 # Every bench of `make bench` in its quick mode, its rows checked for form (about 5
 # minutes of worker time, half of it the drafter bench's): a broken bench fails here,
@@ -104,7 +110,7 @@ test-fast: $(STAMP)
 bench-smoke: $(STAMP)
 	$(SUITE_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m bench_smoke -q $(PYTEST_ARGS) tests/e2e/test_bench_smoke.py tests/bench
 
-bench: bench-smoke
+bench: bench-smoke test-system
 	$(PY) -m benchmarks.run
 
 # The documentation site from docs/ (mkdocs.yml) into SITE, with --strict: a broken link

@@ -23,7 +23,6 @@ from benchmarks import (
     drafter_bench,
     engine_bench,
     export_bench,
-    handoff_bench,
     parallel_bench,
     real_model_bench,
     regenerate_bench,
@@ -47,7 +46,7 @@ ENGINE_BENCHES = (
     drafter_bench,
 )
 #: Every bench whose notes go under the table, in the table's order.
-ALL_BENCHES = (storage_bench, validation_bench, copy_bench, *ENGINE_BENCHES, handoff_bench)
+ALL_BENCHES = (storage_bench, validation_bench, copy_bench, *ENGINE_BENCHES)
 #: ``--only``'s names for them.
 BENCHES = {bench.__name__.rpartition(".")[2]: bench for bench in ALL_BENCHES}
 
@@ -90,8 +89,6 @@ def main() -> None:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             for bench in ENGINE_BENCHES:
                 rows += runner.run(bench.run(Path(scratch), timed, quick=quick))
-        # Not an engine bench; last, as `--only handoff_bench` places its rows.
-        rows += asyncio.run(handoff_bench.run(Path(scratch), timed, quick=quick))
     if not quick:
         DOC.write_text(_document(rows))
 

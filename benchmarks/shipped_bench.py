@@ -1,9 +1,9 @@
 """As shipped: ``hsx serve`` against ``vllm serve`` with vLLM's own hidden-states
 connector, each started as its project documents it, measured from outside over HTTP.
 
-``python -m benchmarks.run --only shipped_bench [--quick]``; ``python -m
-benchmarks.shipped_bench [--quick] [--record FILE]`` runs it alone and can keep every
-round's numbers, with each thread's CPU, for ``docs/profile.md``. One server is alive at
+``python -m benchmarks.run --only shipped_bench [--quick]``; each round's CPU by
+thread and latency histograms, for ``docs/profile.md``, are an experiment's
+(``experiments/as_shipped_profile``). One server is alive at
 a time, in the order hsx, vLLM, vLLM, hsx (ABBA) per model; each start warms up and
 then runs ``rounds`` rounds of every prompt set through one client
 (``benchmarks/completions_client.py``, a process of its own per set). Both sides get the
@@ -15,7 +15,6 @@ user who runs both projects' servers as shipped gets.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -24,13 +23,10 @@ import resource
 import shutil
 import statistics
 import sys
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from benchmarks.common import REPO, Row, Timer
 from benchmarks.shipped_servers import (
@@ -40,7 +36,6 @@ from benchmarks.shipped_servers import (
     Server,
     ServerSpec,
     running,
-    thread_cpu,
     tree_cpu,
 )
 
@@ -167,25 +162,6 @@ def prompts_for(prompt_set: PromptSet, seed: str) -> list[list[int]]:
     ]
 
 
-async def latency_sums(url: str) -> dict[str, list[float]]:
-    """``[sum, count]`` so far of every ``*_seconds`` histogram the server exports at
-    ``/metrics`` (labels summed): hsx's extract, copy, write and storage durations,
-    vLLM's request, queue, prefill and inference times."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        text = (await client.get("/metrics")).text
-    found: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.type != "histogram" or not family.name.endswith("_seconds"):
-            continue
-        for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")):
-                pair = found.setdefault(family.name, [0.0, 0.0])
-                pair[sample.name.endswith("_count")] += sample.value
-    return found
-
-
 def _busy_seconds() -> float:
     """CPU seconds every process of the machine has used so far (all CPUs)."""
     import psutil
@@ -206,9 +182,7 @@ async def run_client(
     of the server's processes spent (``client``, ``API``, ``engine core``, ``worker``)."""
     spec = scratch / "set.json"
     spec.write_text(json.dumps({"model": server.model, "prompts": prompts, "in_flight": in_flight}))
-    latencies = await latency_sums(server.url)
     before, client, busy = tree_cpu(server.pid), _children_cpu(), _busy_seconds()
-    threads = thread_cpu(server.pid)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "benchmarks.completions_client", server.url, str(spec),
         cwd=REPO, stdout=asyncio.subprocess.PIPE,
@@ -219,7 +193,7 @@ async def run_client(
             f"benchmarks.completions_client failed ({proc.returncode}) on {server.side}"
         )
     result: dict[str, Any] = json.loads(out.splitlines()[-1])
-    after, after_threads = tree_cpu(server.pid), thread_cpu(server.pid)
+    after = tree_cpu(server.pid)
     cpu = {role: after[role] - before.get(role, 0.0) for role in after}
     cpu["client"] = _children_cpu() - client
     # The share of the machine's CPU time that other processes took meanwhile: a
@@ -227,18 +201,6 @@ async def run_client(
     others = _busy_seconds() - busy - sum(cpu.values())
     result["others_share"] = max(others, 0.0) / (result["seconds"] * (os.cpu_count() or 1))
     result["cpu"] = cpu
-    # Mean seconds per observation during the set, of every latency histogram.
-    after_latencies = await latency_sums(server.url)
-    result["latency_s"] = {
-        name: (total - latencies.get(name, [0.0, 0.0])[0]) / count
-        for name, (total, all_count) in after_latencies.items()
-        if (count := all_count - latencies.get(name, [0.0, 0.0])[1]) > 0
-    }
-    result["threads"] = {
-        k: round(v - threads.get(k, 0.0), 3)
-        for k, v in after_threads.items()
-        if v - threads.get(k, 0.0) > 0.005
-    }
     if result["files"] != len(prompts):
         raise RuntimeError(
             f"{server.side}: {result['files']} of {len(prompts)} answers named a file"
@@ -259,11 +221,16 @@ async def _clear(server: Server) -> None:
     await asyncio.to_thread(clear)
 
 
+#: ``run_client``'s signature: a profiler wraps it to measure more around each set.
+Client = Callable[[Server, list[list[int]], int, Path], Awaitable[dict[str, Any]]]
+
+
 async def one_start(
-    side: str, spec: ServerSpec, plan: Plan, scratch: Path, start: int
+    side: str, spec: ServerSpec, plan: Plan, scratch: Path, start: int, client: Client
 ) -> dict[str, list[dict[str, Any]]]:
-    """Start ``side``'s server, warm it up, run ``plan.rounds`` rounds of every set; each
-    set's results. ``start`` (the how-manyth start of this side) picks the prompts."""
+    """Start ``side``'s server, warm it up, run ``plan.rounds`` rounds of every set
+    through ``client``; each set's results. ``start`` (the how-manyth start of this
+    side) picks the prompts."""
     found: dict[str, list[dict[str, Any]]] = {s.name: [] for s in plan.sets}
     tag = f"{spec.model.name if spec.model else 'demo'}-{side}-{start}"  # its log's name
     async with running(side, spec, scratch, tag) as server:
@@ -271,12 +238,12 @@ async def one_start(
             warm = prompts_for(
                 PromptSet(WARM_PROMPTS, length, WARM_PROMPTS), f"warm-{side}-{start}"
             )
-            await run_client(server, warm, WARM_PROMPTS, scratch)
+            await client(server, warm, WARM_PROMPTS, scratch)
             await _clear(server)
         for round_ in range(plan.rounds):
             for prompt_set in plan.sets:
                 prompts = prompts_for(prompt_set, f"{start}-{round_}")
-                result = await run_client(server, prompts, prompt_set.in_flight, scratch)
+                result = await client(server, prompts, prompt_set.in_flight, scratch)
                 result["tok_s"] = prompt_set.tokens / result["seconds"]
                 found[prompt_set.name].append(result)
                 print(
@@ -306,7 +273,7 @@ def model_rows(
     """One row per set: hsx's median throughput over vLLM's."""
     rows: list[Row] = []
     if not all(results[side] for side in (HSX, VLLM)):
-        return rows  # one side only (``--order``): the record holds its numbers
+        return rows  # one side only (a profile of one side): no ratio
     for prompt_set in plan.sets:
         by_side = {side: results[side][prompt_set.name] for side in (HSX, VLLM)}
         tok_s = {side: [r["tok_s"] for r in rounds] for side, rounds in by_side.items()}
@@ -343,66 +310,28 @@ def server_spec(model: ModelPlan, scratch: Path) -> ServerSpec:
     return ServerSpec(path, demo, model.layer_ids)
 
 
-async def measure(plan: Plan, scratch: Path, record: Path | None = None) -> list[Row]:
-    """Every model of ``plan``: its starts in ``plan.order``; the rows (and, with
-    ``record``, every round's numbers as JSON)."""
+async def measure(
+    plan: Plan, scratch: Path, client: Client = run_client
+) -> tuple[list[Row], dict[str, Any]]:
+    """Every model of ``plan``: its starts in ``plan.order``, each set through
+    ``client``; the rows, and every round's results by model, side and set."""
     rows, recorded = [], {}
     for model in plan.models:
         spec = await asyncio.to_thread(server_spec, model, scratch)
         results: dict[str, dict[str, list[dict[str, Any]]]] = {HSX: {}, VLLM: {}}
         starts = {HSX: 0, VLLM: 0}
         for side in plan.order:
-            found = await one_start(side, spec, plan, scratch, starts[side])
+            found = await one_start(side, spec, plan, scratch, starts[side], client)
             starts[side] += 1
             for name, rounds in found.items():
                 results[side].setdefault(name, []).extend(rounds)
         rows += model_rows(model, plan, results)
         recorded[model.label] = results
-    if record is not None:
-        await asyncio.to_thread(record.write_text, json.dumps(recorded, indent=1))
-    return rows
+    return rows, recorded
 
 
 async def run(scratch: Path, timed: Timer, quick: bool = False) -> list[Row]:
     """The as-shipped rows; ``quick``: the tests' tiny model, one start per side."""
     del timed  # each set is timed inside the client process, as a user's client would
-    return await measure(QUICK if quick else FULL, scratch / "shipped")
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--record", type=Path, help="every round's numbers, as JSON")
-    parser.add_argument("--sets", help="only these sets, e.g. 64x256@8 (COUNTxLENGTH@IN_FLIGHT)")
-    parser.add_argument("--models", help="only the models whose label contains this")
-    parser.add_argument("--rounds", type=int, help="rounds per start")
-    parser.add_argument("--order", help="the starts, e.g. hsx,vLLM")
-    args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    if args.sets:
-        sets = []
-        for text in args.sets.split(","):
-            shape, in_flight = text.split("@")
-            count, length = shape.split("x")
-            sets.append(PromptSet(int(count), int(length), int(in_flight)))
-        plan = Plan(plan.models, tuple(sets), plan.rounds, plan.order)
-    if args.models:
-        plan = Plan(
-            tuple(m for m in plan.models if args.models in m.label),
-            plan.sets,
-            plan.rounds,
-            plan.order,
-        )
-    if args.rounds:
-        plan = Plan(plan.models, plan.sets, args.rounds, plan.order)
-    if args.order:
-        plan = Plan(plan.models, plan.sets, plan.rounds, tuple(args.order.split(",")))
-    with tempfile.TemporaryDirectory(prefix="hsx-shipped-") as scratch:
-        rows = asyncio.run(measure(plan, Path(scratch), args.record))
-    from benchmarks.common import table_line
-
-    print("\n".join(table_line(row) for row in rows))
-
-
-if __name__ == "__main__":
-    main()
+    rows, _ = await measure(QUICK if quick else FULL, scratch / "shipped")
+    return rows

@@ -3,9 +3,9 @@ hidden-states connector, each started as its project documents it, one at a time
 
 A server runs in a session of its own (its engine processes with it), so that stopping
 it leaves nothing behind; :func:`running` starts one, waits for its readiness route and
-stops it (SIGTERM, then SIGKILL to its process group). :func:`tree_cpu` and
-:func:`thread_cpu` read what each of its processes and threads has spent, from
-``/proc`` through psutil, so a set's CPU can be split by process.
+stops it (SIGTERM, then SIGKILL to its process group). :func:`tree_cpu` reads what
+each of its processes has spent, from ``/proc`` through psutil, so a set's CPU can be
+split by process (by thread: ``experiments/as_shipped_profile``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -181,42 +182,30 @@ def process_role(name: str, root: bool) -> str:
     return "other"
 
 
+def server_processes(pid: int) -> list[tuple[Any, str]]:
+    """The server ``pid`` and its live descendants (``psutil.Process``), each with the
+    role it plays (:func:`process_role`); none once the server is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+    found = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):  # one that exited meanwhile
+            found.append((process, process_role(process.name(), process.pid == pid)))
+    return found
+
+
 def tree_cpu(pid: int) -> dict[str, float]:
     """CPU seconds so far of the server ``pid`` and its descendants, summed by role."""
     import psutil
 
     found: dict[str, float] = {}
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return found
-    for process in processes:
+    for process, role in server_processes(pid):
         with contextlib.suppress(psutil.Error):
             times = process.cpu_times()
-            role = process_role(process.name(), process.pid == pid)
             found[role] = found.get(role, 0.0) + times.user + times.system
-    return found
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of every thread of the server ``pid`` and its descendants,
-    summed by ``role/thread name`` as the kernel names them (hsx names its pool threads:
-    ``service/threads.py``; OpenMP's team threads keep their process's name)."""
-    import psutil
-
-    found: dict[str, float] = {}
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return found
-    for process in processes:
-        with contextlib.suppress(psutil.Error, OSError):
-            role = process_role(process.name(), process.pid == pid)
-            for thread in process.threads():
-                with contextlib.suppress(OSError):
-                    name = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text().strip()
-                    key = f"{role}/{name}"
-                    found[key] = found.get(key, 0.0) + thread.user_time + thread.system_time
     return found

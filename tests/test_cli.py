@@ -44,6 +44,7 @@ def test_sweep_removes_stale_temp_files(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["kept.safetensors"]
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_make_model_writes_a_loadable_model(tmp_path: Path) -> None:
     proc = run_hsx("make-model", str(tmp_path / "m"), "--kind", "llama")

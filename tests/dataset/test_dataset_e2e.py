@@ -24,7 +24,7 @@ from service.dataset.store import RunStore
 from tests.dataset.synth import make
 from tests.support.processes import free_port, hsx_env, wait_ready
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.system]
 KEY = "dataset-team-key-0123456789"
 NAMESPACE = "ds"
 ROWS = 600  # the kill-and-resume run's input rows

@@ -76,7 +76,8 @@ def failed_layers(text: str) -> set[tuple[int, int]]:
     return found
 
 
-@pytest.mark.parametrize("which", ["tiny", "demo"])
+# SmolLM2's run, a server of its own, is a whole-system run: make test-system.
+@pytest.mark.parametrize("which", ["tiny", pytest.param("demo", marks=pytest.mark.system)])
 def test_parity_passes_on_a_run_made_by_hsx(
     which: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
 ) -> None:

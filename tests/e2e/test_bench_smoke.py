@@ -91,7 +91,6 @@ async def test_quick_shipped_bench_gives_a_row_per_set(tmp_path: Path) -> None:
         "dataset_bench",
         "export_bench",
         "copy_bench",
-        "handoff_bench",
         "parallel_bench",
     ],
 )

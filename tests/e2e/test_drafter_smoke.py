@@ -20,7 +20,7 @@ import pytest
 from benchmarks import drafter_bench
 from benchmarks.common import Preforked
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.system]
 
 #: One held-out question (every eighth), so speculators has a validation split.
 SMOKE = drafter_bench.Size(questions=8, max_tokens=16, epochs=1)

@@ -18,7 +18,7 @@ from tests.e2e.test_serve import tiny_model
 from tests.support.mooncake import MooncakeMaster, master_fixture
 from tests.support.processes import Served, hsx_serve, wait_until
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.system]
 MIB = 1024 * 1024
 #: The writer's segment: the store's only memory.
 SEGMENT = 16 * MIB

@@ -24,7 +24,7 @@ import pytest
 
 from tests.support.processes import free_port, hsx_serve, link_demo_model, wait_until
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.system]
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/helm/hsx/dashboards/hsx-overview.json"
 JOB = "hsx"

@@ -39,6 +39,7 @@ def wait_in_flight(url: str, prompts: int, limit_s: float = 30) -> None:
     wait_until(admitted, limit_s, "the requests never got in flight", interval_s=0.05)
 
 
+@pytest.mark.system
 def test_serve_demo_model_and_sigterm_drains(tmp_path: Path) -> None:
     env = {
         "HSX_ENGINE__MAX_NUM_BATCHED_TOKENS": "64",
@@ -96,6 +97,7 @@ def tiny_model(model_dir: Any) -> dict[str, str]:
     }
 
 
+@pytest.mark.system
 def test_dead_engine_makes_health_and_extract_503(tmp_path: Path, model_dir: Any) -> None:
     import psutil
 
@@ -137,6 +139,7 @@ def huge_pages_of_workers(server_pid: int) -> list[int]:
     return sizes
 
 
+@pytest.mark.system
 def test_engine_processes_exit_when_the_server_is_killed(tmp_path: Path, model_dir: Any) -> None:
     """Two things of one server, to start one engine rather than two:
 

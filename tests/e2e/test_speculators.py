@@ -36,7 +36,7 @@ from tests.engine.conftest import engine_settings
 from tests.engine.reference import relative_error
 from tests.support.mooncake import mooncake_missing, running_master
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.system]
 SEQ_LEN = 256
 BUCKET = "hsx-speculators"
 PROMPTS = "hsx_extract_prompts_total"  # prompts hsx ran through the engine

@@ -321,6 +321,7 @@ def test_unreachable_bucket(tmp_path: Path, s3_endpoint: str) -> None:
     assert_one_line(run, 1, "storage.url (HSX_STORAGE__URL)", "no-such-bucket", "credentials")
 
 
+@pytest.mark.system
 @pytest.mark.engine
 @pytest.mark.slow
 def test_kv_cache_too_small_for_max_model_len(tmp_path: Path, demo_model: Path) -> None:
@@ -437,6 +438,7 @@ def test_an_unforeseen_engine_error_still_names_what_it_can() -> None:
     assert "\n" not in error.line
 
 
+@pytest.mark.system
 def test_a_writer_that_cannot_reach_the_api_stops_start_up(tmp_path: Path, model_dir: Any) -> None:
     # The completion channel on TCP with an address the writing rank cannot reach
     # (TEST-NET-1, never routed): without the start-up check every request would hang
@@ -458,6 +460,7 @@ def test_a_writer_that_cannot_reach_the_api_stops_start_up(tmp_path: Path, model
     assert "open PORT" in line
 
 
+@pytest.mark.system
 def test_a_completion_address_of_another_host_cannot_be_listened_on(
     tmp_path: Path, model_dir: Any
 ) -> None:

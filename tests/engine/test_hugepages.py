@@ -69,6 +69,7 @@ def test_system_mode_is_the_bracketed_word(tmp_path: Path) -> None:
     assert system_mode(str(tmp_path / "absent")) is None
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_torch_backs_large_tensors_with_huge_pages_only_when_asked() -> None:
     # hsx_env: this environment without hsx's settings or a switch an engine here set.
@@ -85,6 +86,7 @@ def test_torch_backs_large_tensors_with_huge_pages_only_when_asked() -> None:
         pytest.skip(f"the kernel gives no transparent huge pages here ({mode})")
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_hsx_serve_asks_before_torch_loads() -> None:
     """``hsx serve`` sets the switch before anything imports torch, so the serving

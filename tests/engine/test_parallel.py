@@ -28,7 +28,12 @@ from tests.engine.checks import assert_object_matches
 from tests.engine.conftest import engine_settings, random_prompts, running
 from tests.support.engines import serving
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.system,
+]
 #: id -> (model kind, layers, tensor-parallel size, data-parallel size)
 LAYOUTS = {
     "tp2-llama": ("llama", [0, 1, 2, 4], 2, 1),

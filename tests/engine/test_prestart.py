@@ -56,6 +56,7 @@ def server() -> int:
     return int(pid)
 
 
+@pytest.mark.slow  # a served child process importing vLLM
 def test_children_take_the_parents_environment_output_and_server(
     tmp_path: Path, server: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -327,6 +328,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.skipif(not on_cpu(), reason="the fork server is CPU-only (vLLM forks on a GPU)")
 @pytest.mark.parametrize("threads", ["idle", "thread", "pool task"])

@@ -44,6 +44,7 @@ def test_the_installed_vllm_is_as_declared(capsys: pytest.CaptureFixture[str]) -
     assert out[-1].endswith(", 0 changed as declared for 0.32.0, 0 not declared")
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_vllm_0_33_differs_only_where_declared(capsys: pytest.CaptureFixture[str]) -> None:
     wheel_or_skip("0.33.0")
@@ -57,6 +58,7 @@ def test_vllm_0_33_differs_only_where_declared(capsys: pytest.CaptureFixture[str
     assert "DIFFERS" not in out
 
 
+@pytest.mark.slow  # reads the 0.33 source against every fingerprint
 def test_an_undeclared_difference_fails_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     """A release whose source differs from every declared value: here the installed
     0.32 read as if it were 0.33.0, which declares other values."""
@@ -82,6 +84,7 @@ def test_a_release_that_cannot_be_fetched_is_one_line(
     assert err[0].startswith("vllm-canary: pip download vllm==0.0.1 failed")
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_fingerprints_read_the_same_under_python_3_12() -> None:
     """hsx supports Python 3.11 and 3.12; a digest must not depend on which reads it."""

@@ -48,6 +48,10 @@ from tests.storage.contract import (
 )
 from tests.support.mooncake import MooncakeMaster, running_master
 
+# A real mooncake_master per test that needs one, restarts included: about 20 s of a
+# worker's time in all, so `make test` runs these, not `make test-fast`.
+pytestmark = pytest.mark.slow
+
 MIB = 1024 * 1024
 #: The writer's segment: the store's whole capacity in this module.
 SEGMENT = 32 * MIB

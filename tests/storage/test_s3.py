@@ -35,6 +35,11 @@ from tests.storage.contract import BIG, Plant, StorageContract, fresh_key, paylo
 
 MIB = 1024 * 1024
 
+# moto's server answers each request in Python: the contract and the fault cases take
+# about a minute of a worker's time, so `make test` runs them, not `make test-fast`
+# (the same contract runs there on local disk).
+pytestmark = pytest.mark.slow
+
 
 class TestS3Contract(StorageContract):
     # moto checks If-None-Match, then stores, in two steps that two of its request

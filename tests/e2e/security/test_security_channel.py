@@ -20,11 +20,15 @@ from collections.abc import Iterator
 
 import httpx
 import psutil
+import pytest
 import zmq
 
 from service.engine.wire import Completion, StoredObject, WriteFailure, WriterHello
 from service.storage.base import StorageOp
 from tests.e2e.security.harness import MIB, Server, auth, normal_client, rss_peak, wait_for
+
+# Against the security package's hsx serve (an engine), as its other modules are.
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DROPPED = "hsx_completion_messages_dropped_total"
 FLOOD_S = 20.0

@@ -1,6 +1,6 @@
 """The hand-off of one sample: from "the server answered" to "the trainer holds the tensors".
 
-``python -m benchmarks.run --only handoff_bench [--quick]``. One sample object, built
+``python -m experiments.storage_handoff.handoff [--quick]``. One sample object, built
 as hsx's writer builds it (``codecs.pack_parts("raw", ...)``: float32 states [T, 4, H]
 and int64 token ids), is published (untimed) by this process, the server's side, through hsx's
 own storage to local disk, to S3 (moto on 127.0.0.1) and to Mooncake (a real
@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import torch
 
 from benchmarks.common import Row, Timer, free_port, ms
+from experiments.common import print_rows
 
 MIB = 1024 * 1024
 LAYERS = 4
@@ -40,7 +41,6 @@ PATHS = ("disk", "disk-cold", "s3", "mooncake")
 #: The ratio Mooncake's hand-off should reach against local disk at the large size.
 TARGET = 0.5
 
-ROW_PREFIXES = ("hand-off,",)
 #: The master's command, next to this interpreter (``.venv/bin/mooncake_master``).
 MASTER = Path(sys.executable).parent / "mooncake_master"
 
@@ -68,44 +68,6 @@ QUICK = (
     Size("32 KiB", 8, 256, 2),
     Size("512 KiB", 128, 256, 2, target=True),
 )
-
-NOTES = """- **hand-off, Mooncake vs local disk / S3**: the time from "the server answered" to
-  "the trainer holds the tensors" for one sample, built as hsx's writer builds it
-  (`codecs.pack_parts("raw", ...)`: float32 states [T, 4 layers, 4096] and int64 token
-  ids; 2 MiB is 32 tokens, 128 MiB is 2048). Each round the bench's process (the
-  server's side) publishes a fresh object, untimed, through hsx's storage: to local disk
-  (`LocalStorage`, fsync'd), to S3 (moto on 127.0.0.1) and to Mooncake (a real
-  `mooncake_master` on 127.0.0.1, started and killed by the bench; the writer is a
-  Mooncake client that contributes the segment, the object in hs-connectors' layout
-  from `service.packed`). A trainer in a process of its own, set up once (hs-connectors'
-  `MooncakeTransfer` joined to the store with no segment of its own; a boto3 client), is
-  handed the answer and times only its read: the file through hs-connectors'
-  `FileTransfer.get_generated` (`safetensors.torch.load_file`, the path from the
-  object's `uri`); the S3 object with `get_object` + `safetensors.torch.load`; the
-  Mooncake object with `MooncakeTransfer.get_generated(manifest)`, the manifest as the
-  API answers it (JSON). The timed read ends once one element of every 4 KiB page of
-  every tensor is touched: `load_file` maps the file and returns lazy tensors, and this
-  makes all of a mapped file resident (for tensors already in memory it costs nothing).
-  Every read is then compared with the published tensors (`torch.equal`, untimed), so a
-  fast wrong read cannot win. The four reads of a round run in a rotating order, after
-  one untimed warm-up round (the trainer's first Mooncake read registers its staging
-  buffer); medians of 20 rounds at 2 MiB and 5 at 128 MiB. Local disk has two
-  baselines. *Warm page cache*: the file as the server has just written it on this
-  machine; `load_file` maps pages already in memory and copies nothing, which is as
-  fast as a read gets, and only a trainer on the server's own machine gets it (info).
-  *Page cache dropped*: `posix_fadvise(POSIX_FADV_DONTNEED)` on the fsync'd file before
-  the answer is handed over, so the read pays the disk, as a trainer reading later or
-  over a shared filesystem does; the 128 MiB target is against this one. It is not met
-  on this machine: Mooncake's read is master RPCs (two `is_exist`, `get_size`, the
-  lookup of `get_into`), a TCP transfer over loopback into hs-connectors' registered
-  buffer, then a `clone` of every tensor out of it: the sample crosses memory twice,
-  and the writer's transfer engine (the server's process) and the reader share 2 CPU
-  cores, where memory copies run at a few GB/s (measured apart: about 70 ms of transfer
-  and 40 ms of `clone` per 128 MiB). This VM's disk reads the dropped file at about
-  2 GB/s into a mapping with no second copy. Mooncake's hand-off wins across machines
-  (no shared filesystem; RDMA, which this machine lacks) and against S3 (moto: Python in
-  the server's process, info).
-"""
 
 
 # --- the sample ----------------------------------------------------------------------
@@ -242,12 +204,18 @@ class Trainer:
     def __init__(self, config: dict[str, Any], log: Path) -> None:
         self._log = log.open("wb")
         self.process = subprocess.Popen(  # noqa: S603 - this interpreter, this module
-            [sys.executable, "-m", "benchmarks.handoff_bench", "--trainer", json.dumps(config)],
+            [
+                sys.executable,
+                "-m",
+                "experiments.storage_handoff.handoff",
+                "--trainer",
+                json.dumps(config),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=Path(__file__).resolve().parents[2],  # the repository root
         )
         self.log = log
         if self._reply() != "ready":
@@ -348,7 +316,7 @@ def _rows(size: Size, median: dict[str, float]) -> list[Row]:
         elif ratio <= TARGET:
             target = f"<= {TARGET}"
         else:
-            target = f"<= {TARGET}: not met, measured {ratio:.2f} (see notes)"
+            target = f"<= {TARGET}: not met, measured {ratio:.2f} (see the README)"
         rows.append(
             Row(
                 f"hand-off, Mooncake vs {baseline}, {what}",
@@ -447,8 +415,14 @@ async def run(scratch: Path, timer: Timer, quick: bool = False) -> list[Row]:
 
 
 def main() -> None:
-    """``--trainer CONFIG``: the trainer process (the bench starts it)."""
-    assert sys.argv[1:2] == ["--trainer"], "run the bench with python -m benchmarks.run"
+    """The experiment's rows as table lines (``--quick``: tiny samples); ``--trainer
+    CONFIG``: the trainer process, which the experiment starts."""
+    if sys.argv[1:2] != ["--trainer"]:
+        # moto's S3 takes any credentials; boto3 wants some (benchmarks.run sets the same).
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        print_rows(run, "--quick" in sys.argv[1:], "hsx-handoff-")
+        return
     # Replies go out on a descriptor of their own; anything a library prints on
     # stdout goes to stderr instead.
     replies = os.fdopen(os.dup(1), "w")
