@@ -2,7 +2,8 @@
 process and thread, and the mean of every latency histogram the server exports.
 
 ``python -m experiments.as_shipped_profile.profile_servers --models 1024 --sets
-64x256@8 --record FILE`` (``--rounds``, ``--order hsx`` for one side): the as-shipped
+64x256@8 --record FILE`` (``--rounds``, ``--order hsx`` for one side;
+``--writers-anywhere``: hsx's writer threads on every CPU, ``writers_anywhere/``): the as-shipped
 bench's servers, plan and client (``benchmarks.shipped_bench``), with each set wrapped
 in a read of the servers' threads and ``/metrics`` before and after. The README says
 what it found.
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,7 +113,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--models", help="only the models whose label contains this")
     parser.add_argument("--rounds", type=int, help="rounds per start")
     parser.add_argument("--order", help="the starts, e.g. hsx,vLLM")
+    parser.add_argument(
+        "--writers-anywhere",
+        action="store_true",
+        help="hsx's writer threads on every CPU, not off the forward pass's (a variant)",
+    )
     args = parser.parse_args(argv)
+    if args.writers_anywhere:  # hsx's processes inherit it; vLLM's side sets its own
+        os.environ["PYTHONPATH"] = str(Path(__file__).with_name("writers_anywhere"))
     with tempfile.TemporaryDirectory(prefix="hsx-shipped-profile-") as scratch:
         rows, recorded = asyncio.run(
             shipped_bench.measure(plan_of(args), Path(scratch), profiled_client)

@@ -81,6 +81,7 @@ async def list_pages(client: httpx.AsyncClient, headers: dict[str, str], **param
             return pages
 
 
+@pytest.mark.system
 @pytest.mark.slow
 async def test_pagination_over_1000_objects(api: tuple[httpx.AsyncClient, Any]) -> None:
     client, storage = api

@@ -26,7 +26,7 @@ from tests.e2e.test_speculators import SEQ_LEN, dataset, messages_of, prepare_da
 from tests.engine.checks import assert_object_matches, object_metadata
 from tests.engine.conftest import engine_settings
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.system]
 
 #: EAGLE-3's layers for a 30-layer model: [2, L//2, L-3, L].
 EAGLE3_LAYERS = [2, 15, 27, 30]

