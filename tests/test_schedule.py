@@ -7,7 +7,7 @@ own, and a module's engine fixture started again on each worker its tests reache
 
 from __future__ import annotations
 
-from tests.support.schedule import GroupScheduling, group_of
+from tests.support.schedule import PACKAGE_GROUPS, GroupScheduling, group_of
 
 NODES = [
     "tests/engine/test_codecs_engine.py::test_every_codec_round_trips_through_storage[llama]",
@@ -21,9 +21,19 @@ NODES = [
 
 def test_the_scheduler_splits_by_our_groups() -> None:
     scheduler = GroupScheduling.__new__(GroupScheduling)  # its scopes need no workers
+    scheduler._packages = PACKAGE_GROUPS
     scopes = [scheduler._split_scope(node) for node in NODES]
     assert scopes == [group_of(node) for node in NODES]
     # a module together, a package together, the bench smoke tests one by one
     assert scopes[0] == scopes[1] == "tests/engine/test_codecs_engine.py"
     assert scopes[2] == scopes[3] == "tests/api/"
     assert scopes[4] != scopes[5]
+
+
+def test_a_run_without_engines_groups_by_module() -> None:
+    scheduler = GroupScheduling.__new__(GroupScheduling)
+    scheduler._packages = ()  # what __init__ chooses for -m "not engine ..."
+    scopes = [scheduler._split_scope(node) for node in NODES]
+    assert scopes[2] == "tests/api/test_extract.py"
+    assert scopes[3] == "tests/api/test_openai.py"
+    assert scopes[0] == scopes[1] == "tests/engine/test_codecs_engine.py"

@@ -22,6 +22,10 @@ from service.engine.vllm_patches.mp_context import preloaded_context, use_preloa
 from service.engine.vllm_patches.polling import QueuePolling, spin_then_pause
 from tests.support.processes import wait_until
 
+# The fork server imports vLLM in a process of its own (about 10 s): `make test`, not
+# `make test-fast`.
+pytestmark = pytest.mark.slow
+
 VARIABLE = "HSX_TEST_PRESTART"
 
 
@@ -56,7 +60,6 @@ def server() -> int:
     return int(pid)
 
 
-@pytest.mark.slow  # a served child process importing vLLM
 def test_children_take_the_parents_environment_output_and_server(
     tmp_path: Path, server: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -53,10 +53,11 @@ HEAVY_FIRST = (
 )
 
 
-def group_of(nodeid: str) -> str:
-    """The group of the test ``nodeid`` (``GroupScheduling``'s scope for it)."""
+def group_of(nodeid: str, packages: tuple[str, ...] = PACKAGE_GROUPS) -> str:
+    """The group of the test ``nodeid`` (``GroupScheduling``'s scope for it); the
+    prefixes of ``packages`` each form one group."""
     path = nodeid.split("::", 1)[0]
-    for prefix in PACKAGE_GROUPS:
+    for prefix in packages:
         if path.startswith(prefix):
             return prefix
     if path in PER_TEST:
@@ -80,10 +81,19 @@ class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
     test's group by appending it to ``item._nodeid``, which pytest 9 no longer reads
     (``Node.nodeid`` comes from ``_id``), so every test was a group of its own and a
     module's engine fixture started again on each worker its tests reached.
+
+    A run that leaves out the engine tests (``-m "not engine ..."``, ``make test-fast``)
+    groups by module only: the packages' shared fixtures are their engines, and the
+    fast tests of ``tests/api`` alone would otherwise keep one worker busy to the end.
     """
 
+    def __init__(self, config: pytest.Config, log: object = None) -> None:
+        super().__init__(config, log)
+        engines = "not engine" not in (config.getoption("markexpr", "") or "")
+        self._packages = PACKAGE_GROUPS if engines else ()
+
     def _split_scope(self, nodeid: str) -> str:
-        return group_of(nodeid)
+        return group_of(nodeid, self._packages)
 
 
 def heavy_first(config: pytest.Config, items: list[pytest.Item]) -> None:
