@@ -39,10 +39,9 @@ def s3_endpoint(aws_env: None) -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def s3_admin(s3_endpoint: str) -> Any:
-    """A plain boto3 client for setting up and inspecting buckets, as an operator would
-    (one for the session: a boto3 client is thread-safe, and making one takes a while)."""
+    """A plain boto3 client for setting up and inspecting buckets, as an operator would."""
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     yield client
     client.close()
