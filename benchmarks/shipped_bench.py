@@ -188,9 +188,11 @@ async def run_client(
         cwd=REPO, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, _ = await proc.communicate()
-    if proc.returncode != 0:
+    if proc.returncode != 0:  # the server's last words say whether it was the server
+        tail = (await asyncio.to_thread(server.log.read_text, errors="replace"))[-3000:]
         raise RuntimeError(
-            f"benchmarks.completions_client failed ({proc.returncode}) on {server.side}"
+            f"benchmarks.completions_client failed ({proc.returncode}) on {server.side}; "
+            f"the end of its log ({server.log}):\n{tail}"
         )
     result: dict[str, Any] = json.loads(out.splitlines()[-1])
     after = tree_cpu(server.pid)

@@ -149,6 +149,21 @@ def pipeline_args(engine: EngineSettings) -> dict[str, Any]:
     return {} if size == 1 else {"pipeline_parallel_size": size}
 
 
+def usage_context() -> Any:
+    """The ``UsageContext`` hsx's engine is built for: vLLM's OpenAI server's.
+
+    vLLM picks the default tokens per step and sequences per step by it
+    (``EngineArgs.get_batch_defaults``). ``AsyncLLM.from_engine_args`` defaults to
+    ``ENGINE_CONTEXT``, which has no entry there and falls back to 2,048 tokens and 128
+    sequences on every device, where ``vllm serve`` gets 8,192 and 1,024 on an H100 or
+    H200 (16,384 on GPUs of 160 GB or more): a server that only prefills would run
+    steps a quarter of the size. On CPU both contexts give 2,048 and 128. Read in vLLM
+    0.32's and 0.33's ``arg_utils.py``; not run on a GPU."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.OPENAI_API_SERVER
+
+
 def engine_args(
     settings: Settings,
     info: ModelInfo,

@@ -25,6 +25,7 @@ from service.engine.builder import (
     engine_args,
     prepare,
     served_model_name,
+    usage_context,
 )
 from service.engine.completion import CompletionReceiver, max_message_bytes
 from service.engine.errors import (
@@ -186,7 +187,7 @@ class Extractor:
             completion_secret=receiver.secret,
         )
         try:
-            engine = AsyncLLM.from_engine_args(args)
+            engine = AsyncLLM.from_engine_args(args, usage_context=usage_context())
         except BaseException:
             await receiver.close()
             await prepared.storage.close()

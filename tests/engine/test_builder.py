@@ -119,3 +119,47 @@ def test_sleep_mode_never_reaches_vllm(model_dir: Any, given: Any, refused: bool
             engine_args(settings, info, [1], "ipc:///x")
     else:
         assert engine_args(settings, info, [1], "ipc:///x").enable_sleep_mode == given
+
+
+class _H200:
+    """vLLM's platform as an H200 reports itself: what ``get_batch_defaults`` reads."""
+
+    @staticmethod
+    def get_device_total_memory() -> int:
+        return 141 << 30
+
+    @staticmethod
+    def get_device_name() -> str:
+        return "NVIDIA H200"
+
+    @staticmethod
+    def is_cpu() -> bool:
+        return False
+
+    @staticmethod
+    def is_tpu() -> bool:
+        return False
+
+
+def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hsx's engine is built for vLLM's server context, so on an H200 it schedules
+    8,192 tokens and 1,024 sequences a step as ``vllm serve`` does; vLLM's default for
+    ``from_engine_args`` has no entry and would fall back to 2,048 and 128."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine import arg_utils
+    from vllm.usage.usage_lib import UsageContext
+
+    from service.engine.builder import usage_context
+
+    def defaults(context: Any) -> tuple[int, int]:
+        tokens, seqs = arg_utils.EngineArgs.get_batch_defaults(1)
+        return (
+            tokens.get(context, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS),
+            seqs.get(context, SchedulerConfig.DEFAULT_MAX_NUM_SEQS),
+        )
+
+    # On this CPU both contexts give the same steps, so nothing measured here moves.
+    assert defaults(usage_context()) == defaults(UsageContext.ENGINE_CONTEXT) == (2048, 128)
+    monkeypatch.setattr(arg_utils, "current_platform", _H200())
+    assert defaults(usage_context()) == (8192, 1024)
+    assert defaults(UsageContext.ENGINE_CONTEXT) == (2048, 128)
