@@ -118,14 +118,19 @@ NOTES = f"""- **as shipped: hsx serve vs vllm serve + its connector**
   (`--enforce-eager`; hsx: `HSX_ENGINE__EXTRA_ARGS='{{"enforce_eager": true}}'`, its demo
   model is eager anyway): vLLM's CPU default compiles with inductor, minutes per start
   here; every other setting is each project's default (prefix caching, batch size,
-  async scheduling, threads, binding, allocator).
+  async scheduling, threads, binding, allocator). Both engines take vLLM's server
+  defaults for the batch (2,048 tokens and 128 sequences a step on CPU; hsx builds its
+  engine for vLLM's server context, `service/engine/builder.py`, `usage_context`).
 - **the client**: `benchmarks/completions_client.py`, the same for both, a process of
   its own per set: token-id prompts to `/v1/completions` with `max_tokens` 1, one
   prompt per request, N workers each posting its next prompt once its last is done.
   Done means: the answer names the stored states (`kv_transfer_params.hidden_states_path`,
   both servers) and, where `<path>.lock` exists (vLLM's connector answers before the
   file is written), `LOCK_SH` on it is granted, as speculators' `generate-offline-data`
-  waits before it takes the next sample. Sets: {", ".join(s.name for s in FULL.sets)}
+  waits before it takes the next sample; each worker waits for its lock on a thread of
+  its own, and an idle connection is dropped after 1 s, before either server's 5 s
+  keep-alive can close it under a request (with httpx's default of the same 5 s, one run
+  of `vllm serve` failed on a dropped connection). Sets: {", ".join(s.name for s in FULL.sets)}
   (prompts x tokens @ in flight), fresh random token ids every round (the same on both
   sides). Per model the servers start in the order {", ".join(FULL.order)}, one alive at
   a time; each start warms up ({WARM_PROMPTS} prompts of each length) and runs
