@@ -156,6 +156,16 @@ NOTES = f"""- **as shipped: hsx serve vs vllm serve + its connector**
   for hsx's, which sleeps between polls after 2 ms; vLLM's forward pass runs on glibc's
   dynamic heap thresholds, hsx's on a steady heap with huge pages; and `vllm serve`
   logs a line per request (`docs/profile.md`, "As shipped").
+- **two full runs on one day** (2026-12-02, commit `3f7c8bc`, a quiet machine: other
+  processes took at most 2% of the CPU; the rows above are the second run), hsx / vLLM
+  in run 1 and run 2: random Llama 64x256 @8 0.98 and 0.98, 256x64 @64 1.05 and 0.94,
+  8x2048 @8 1.02 and 0.99; SmolLM2 64x256 @8 0.98 and 0.96, 256x64 @64 0.94 and 0.94,
+  8x2048 @8 1.01 and 0.99. Five of the six sets agree within 0.03; the random Llama's
+  256x64 @64 moved by 0.11 (its rounds spread 5-10% within each run). hsx is level
+  with `vllm serve` within the rounds' spread at 8 in flight and trails at 64 in flight
+  (0.94 in three of the four runs of that set): what stands in the way is in
+  `docs/profile.md`, "As shipped", and each attempt with its number in
+  `experiments/as_shipped_profile/README.md`.
 """
 
 

@@ -28,18 +28,22 @@ from benchmarks.common import table_line
 from benchmarks.shipped_bench import FULL, QUICK, Plan, PromptSet, run_client
 from benchmarks.shipped_servers import Server, server_processes
 
+#: vLLM's histogram of the tokens each engine step scheduled (both servers export it).
+STEP_TOKENS = "vllm:iteration_tokens_total"
+
 
 async def latency_sums(url: str) -> dict[str, list[float]]:
     """``[sum, count]`` so far of every ``*_seconds`` histogram the server exports at
     ``/metrics`` (labels summed): hsx's extract, copy, write and storage durations,
-    vLLM's request, queue, prefill and inference times."""
+    vLLM's request, queue, prefill and inference times; and of ``STEP_TOKENS``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         text = (await client.get("/metrics")).text
     found: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.type != "histogram" or not family.name.endswith("_seconds"):
+        wanted = family.name.endswith("_seconds") or family.name == STEP_TOKENS
+        if family.type != "histogram" or not wanted:
             continue
         for sample in family.samples:
             if sample.name.endswith(("_sum", "_count")):
@@ -82,8 +86,14 @@ async def profiled_client(
     result["latency_s"] = {
         name: (total - latencies.get(name, [0.0, 0.0])[0]) / count
         for name, (total, all_count) in after_latencies.items()
-        if (count := all_count - latencies.get(name, [0.0, 0.0])[1]) > 0
+        if (count := all_count - latencies.get(name, [0.0, 0.0])[1]) > 0 and name != STEP_TOKENS
     }
+    # The engine's steps during the set: how many, and the tokens each scheduled.
+    total, count = (
+        a - b for a, b in zip(after_latencies.get(STEP_TOKENS, [0.0, 0.0]),
+                              latencies.get(STEP_TOKENS, [0.0, 0.0]), strict=True)
+    )  # fmt: skip
+    result["steps"] = {"count": count, "mean_tokens": total / count if count else 0.0}
     return result
 
 
