@@ -163,9 +163,19 @@ NOTES = f"""- **as shipped: hsx serve vs vllm serve + its connector**
   8x2048 @8 1.01 and 0.99. Five of the six sets agree within 0.03; the random Llama's
   256x64 @64 moved by 0.11 (its rounds spread 5-10% within each run). hsx is level
   with `vllm serve` within the rounds' spread at 8 in flight and trails at 64 in flight
-  (0.94 in three of the four runs of that set): what stands in the way is in
-  `docs/profile.md`, "As shipped", and each attempt with its number in
-  `experiments/as_shipped_profile/README.md`.
+  (0.94 in three of the four runs of that set). What stands in the way: by CPU the two
+  servers are level (42.4 CPU-seconds each at 64x256 @8), and on 2 cores every
+  CPU-second of hsx's promises (checks, statistics, SHA-256, fsyncs: its writer
+  threads took 0.9 a set) and of its API (3.5 ms a request against 2) comes out of a
+  forward pass that needs both cores; at 64 in flight nothing idles to hide it in (wall
+  per scheduled token 1.29 ms against 1.20). vLLM's client instead waits one forward
+  pass for each file's lock (392 ms at 8 in flight, 2.3 s at 64), which hsx's answer
+  does not. Attempts, each measured as shipped: hsx's writers on every CPU 0.94 / 0.99
+  / 1.05 against 0.97 / 0.99 / 0.98 without (not adopted); the statistics' fused
+  reductions (15-25% less writer CPU per object, in both runs above); vLLM's server
+  batch defaults for hsx's engine (the same 2,048 tokens a step on CPU: no row moves;
+  on an H100/H200 8,192 instead of 2,048, read in vLLM's code, not run on a GPU).
+  Details: `docs/profile.md`, "As shipped"; `experiments/as_shipped_profile/README.md`.
 """
 
 
