@@ -171,7 +171,10 @@ NOTES = f"""- **as shipped: hsx serve vs vllm serve + its connector**
   per scheduled token 1.29 ms against 1.20). vLLM's client instead waits one forward
   pass for each file's lock (392 ms at 8 in flight, 2.3 s at 64), which hsx's answer
   does not. Attempts, each measured as shipped: hsx's writers on every CPU 0.94 / 0.99
-  / 1.05 against 0.97 / 0.99 / 0.98 without (not adopted); the statistics' fused
+  / 1.05 against 0.97 / 0.99 / 0.98 without (not adopted); two storage threads instead
+  of eight (`storage.io_threads`), SmolLM2 256x64 @64, hsx alone in ABBA starts: 0.99 of
+  the default (659 against 666 tok/s, its writer threads 0.99 CPU-seconds a set against
+  0.79; not adopted); the statistics' fused
   reductions (15-25% less writer CPU per object, in both runs above); vLLM's server
   batch defaults for hsx's engine (the same 2,048 tokens a step on CPU: no row moves;
   on an H100/H200 8,192 instead of 2,048, read in vLLM's code, not run on a GPU).
