@@ -88,13 +88,22 @@ async def profiled_client(
         for name, (total, all_count) in after_latencies.items()
         if (count := all_count - latencies.get(name, [0.0, 0.0])[1]) > 0 and name != STEP_TOKENS
     }
-    # The engine's steps during the set: how many, and the tokens each scheduled.
-    total, count = (
-        a - b for a, b in zip(after_latencies.get(STEP_TOKENS, [0.0, 0.0]),
-                              latencies.get(STEP_TOKENS, [0.0, 0.0]), strict=True)
-    )  # fmt: skip
-    result["steps"] = {"count": count, "mean_tokens": total / count if count else 0.0}
+    result["steps"] = steps_between(latencies, after_latencies)
     return result
+
+
+def steps_between(
+    before: dict[str, list[float]], after: dict[str, list[float]]
+) -> dict[str, float]:
+    """The engine's steps between two :func:`latency_sums`: how many, and the mean
+    tokens each scheduled."""
+    total, count = (
+        a - b
+        for a, b in zip(
+            after.get(STEP_TOKENS, [0.0, 0.0]), before.get(STEP_TOKENS, [0.0, 0.0]), strict=True
+        )
+    )
+    return {"count": count, "mean_tokens": total / count if count else 0.0}
 
 
 def plan_of(args: argparse.Namespace) -> Plan:

@@ -1,5 +1,5 @@
-"""Each wave of a set as the client sees it: when its prompts were posted, answered and
-done (the object durable, or vLLM's file lock released), on both servers.
+"""Each request of a set as the client sees it: when it was posted, answered and done
+(the object durable, or vLLM's file lock released), on both servers.
 
 ``python -m experiments.as_shipped_profile.timeline --models 1024 --sets 64x256@8``:
 the as-shipped bench's servers (one start each, hsx then vLLM, warmed up as the bench
@@ -27,20 +27,7 @@ import httpx
 from benchmarks import shipped_bench
 from benchmarks.completions_client import KEEPALIVE_EXPIRY_S, wait_for_lock
 from benchmarks.shipped_servers import HSX, VLLM, Server, running
-from experiments.as_shipped_profile.profile_servers import STEP_TOKENS, latency_sums, plan_of
-
-
-async def steps(url: str, before: dict[str, list[float]]) -> dict[str, float]:
-    """The engine steps since ``before``: how many, and their mean tokens."""
-    total, count = (
-        a - b
-        for a, b in zip(
-            (await latency_sums(url)).get(STEP_TOKENS, [0.0, 0.0]),
-            before.get(STEP_TOKENS, [0.0, 0.0]),
-            strict=True,
-        )
-    )
-    return {"steps": count, "tokens a step": round(total / count) if count else 0}
+from experiments.as_shipped_profile.profile_servers import latency_sums, plan_of, steps_between
 
 
 async def timed_set(server: Server, prompts: list[list[int]], in_flight: int) -> list[list[float]]:
@@ -80,11 +67,10 @@ async def timed_set(server: Server, prompts: list[list[int]], in_flight: int) ->
 
 
 def per_request(times: list[list[float]]) -> dict[str, float]:
-    """Median milliseconds per request: post to answer, answer to done (the durable
-    object, or vLLM's lock released), done to the worker's next post."""
-    by_post = sorted(times)
-    answer = [a - p for p, a, _ in by_post]
-    done = [d - a for _, a, d in by_post]
+    """Median milliseconds per request: post to answer, and answer to done (the durable
+    object, or vLLM's lock released)."""
+    answer = [a - p for p, a, _ in times]
+    done = [d - a for _, a, d in times]
     return {
         "post to answer": 1e3 * statistics.median(answer),
         "answer to done": 1e3 * statistics.median(done),
@@ -111,7 +97,9 @@ async def measure(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any
                     row = {"model": model.label, "side": side, "set": prompt_set.name}
                     row |= {"tok/s": round(prompt_set.tokens / seconds)}
                     row |= {k: round(v, 1) for k, v in per_request(times).items()}
-                    row |= await steps(server.url, before)
+                    found_steps = steps_between(before, await latency_sums(server.url))
+                    row |= {"steps": found_steps["count"]}
+                    row |= {"tokens a step": round(found_steps["mean_tokens"])}
                     print(row, flush=True)
                     found.append(row)
     return found
